@@ -1,0 +1,47 @@
+"""mpx: mixed-precision training as optax gradient transformations.
+
+Two lines change in an optax training loop::
+
+    tx = mpx.loss_scale(mpx.mixed_precision(optax.adamw(3e-4)))  # fp16
+    tx = mpx.mixed_precision(optax.adamw(3e-4))                   # bf16
+
+:func:`mixed_precision` keeps float32 master weights in the optimizer state and
+runs the wrapped rule on them; :func:`loss_scale` scales the loss, unscales the
+gradients in float32, skips non-finite steps and adapts the scale.
+"""
+
+from mpx._src.hyperparams import adjust
+from mpx._src.loss_scale import (
+  LossScaleState,
+  get_loss_scale,
+  loss_scale,
+  scale_loss,
+  static_loss_scale,
+  unscale,
+)
+from mpx._src.mixed_precision import (
+  MixedPrecisionState,
+  init_from_full_precision,
+  master_params,
+  mixed_precision,
+)
+from mpx._src.tree import all_finite, cast_tree, select_tree
+
+__version__ = "0.1.0"
+
+__all__ = [
+  "LossScaleState",
+  "MixedPrecisionState",
+  "adjust",
+  "all_finite",
+  "cast_tree",
+  "get_loss_scale",
+  "init_from_full_precision",
+  "loss_scale",
+  "master_params",
+  "mixed_precision",
+  "scale_loss",
+  "select_tree",
+  "static_loss_scale",
+  "unscale",
+]

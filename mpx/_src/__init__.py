@@ -1,0 +1,1 @@
+"""Private implementation modules of mpx; import from :mod:`mpx` instead."""

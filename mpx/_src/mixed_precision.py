@@ -1,0 +1,369 @@
+"""``mixed_precision``: high-precision master weights inside the optimizer state.
+
+The wrapped (inner) optax rule never sees a low-precision number: it is
+initialised and updated on the *master view* of the parameters, i.e. a
+``dtype`` master copy for every floating leaf narrower than ``dtype`` and the
+parameter itself for every other leaf. The updates returned move each
+low-precision parameter exactly onto its rounded master.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpx._src import finite_grads, state_search
+from mpx._src import tree as tree_lib
+
+PyTree = Any
+
+
+class MixedPrecisionState(NamedTuple):
+  """State of :func:`mixed_precision`.
+
+  Attributes:
+    master_params: the parameter tree with a ``dtype`` master copy at every
+      floating leaf narrower than ``dtype`` and ``optax.MaskedNode()`` at every
+      other leaf (those are updated in place, with no copy). The masters are
+      the true weights; the low-precision parameters are their rounding.
+    inner_state: the wrapped rule's state, built on the master view, so all of
+      its floating leaves (Adam's moments, injected hyperparameters) are in
+      ``dtype`` or wider.
+  """
+
+  master_params: PyTree
+  inner_state: optax.OptState
+
+
+def _is_hole(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _master_view(masters: PyTree, params: PyTree) -> PyTree:
+  """The masters where they exist, the parameters elsewhere."""
+  return jax.tree.map(lambda m, p: p if _is_hole(m) else m, masters, params, is_leaf=_is_hole)
+
+
+def _saturating_cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  """Rounds ``x`` to ``dtype``; values beyond its range become its largest
+  finite value instead of inf (a master of 7e4 must not turn fp16 into inf)."""
+  limit = float(jnp.finfo(dtype).max)
+  return jnp.clip(x, -limit, limit).astype(dtype)
+
+
+class _MasterSources:
+  """Full-precision values to seed masters from, keyed by the identity of the
+  low-precision leaf that ``init`` will receive (see ``init_from_full_precision``)."""
+
+  def __init__(self, pairs: list[tuple[Any, Any, str]]):
+    # Holding the low leaves keeps their ids from being reused meanwhile.
+    self._by_id = {id(low): (low, full, path) for low, full, path in pairs}
+    self._unused = set(self._by_id)
+
+  def take(self, leaf: Any) -> Any:
+    entry = self._by_id.get(id(leaf))
+    if entry is None:
+      return leaf
+    self._unused.discard(id(leaf))
+    return entry[1]
+
+  def unused_paths(self) -> list[str]:
+    return sorted(self._by_id[i][2] for i in self._unused)
+
+
+_MASTER_SOURCES: contextvars.ContextVar[_MasterSources | None] = contextvars.ContextVar(
+  "mpx_master_sources", default=None
+)
+
+
+@contextlib.contextmanager
+def _seeding_masters(sources: _MasterSources) -> Iterator[None]:
+  token = _MASTER_SOURCES.set(sources)
+  try:
+    yield
+  finally:
+    _MASTER_SOURCES.reset(token)
+
+
+def check_transformation(inner: Any, name: str = "inner") -> None:
+  """Raises a TypeError unless ``inner`` looks like an optax transformation."""
+  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+    raise TypeError(
+      f"{name} must be an optax GradientTransformation (with init and update), "
+      f"got {type(inner).__name__}. Did you pass the factory instead of calling "
+      "it, e.g. optax.adam instead of optax.adam(1e-3)?"
+    )
+
+
+def _describe(x: Any) -> str:
+  if _is_hole(x):
+    return "no master"
+  dtype = tree_lib.leaf_dtype(x)
+  shape = list(np.shape(x)) if dtype is not None else None
+  return f"{dtype}{shape}" if dtype is not None else type(x).__name__
+
+
+def _check_matches_state(masters: PyTree, params: PyTree, needs_master) -> None:
+  """Trace-time check that ``params`` belong to the state holding ``masters``."""
+  master_def = jax.tree.structure(masters, is_leaf=_is_hole)
+  param_def = jax.tree.structure(params, is_leaf=_is_hole)
+  if master_def != param_def:
+    raise ValueError(
+      "mixed_precision: params do not match the optimizer state (was the state "
+      f"made by init on another tree?).\n  state: {master_def}\n  params: {param_def}"
+    )
+  flat_masters = jax.tree_util.tree_flatten_with_path(masters, is_leaf=_is_hole)[0]
+  flat_params = jax.tree.leaves(params, is_leaf=_is_hole)
+  for (path, master), param in zip(flat_masters, flat_params, strict=True):
+    where = tree_lib.path_str(path) or "<root>"
+    if _is_hole(master):
+      if needs_master(param):
+        raise ValueError(
+          f"mixed_precision: param {where!r} is {_describe(param)} but the state "
+          "holds no master for it (the state was initialised on wider params). "
+          "Re-initialise, or use mpx.init_from_full_precision to start "
+          "low-precision training from full-precision weights."
+        )
+    elif np.shape(master) != np.shape(param):
+      raise ValueError(
+        f"mixed_precision: param {where!r} has shape {list(np.shape(param))} but "
+        f"its master has shape {list(np.shape(master))}."
+      )
+
+
+def mixed_precision(
+  inner: optax.GradientTransformation,
+  dtype: jax.typing.DTypeLike = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps ``dtype`` master weights and runs ``inner`` on them.
+
+  Every floating parameter narrower than ``dtype`` (bf16, fp16, fp8 with the
+  default float32) gets a master copy in the optimizer state. Leaves already at
+  ``dtype`` or wider are updated directly, with no copy, and never downcast (f64
+  stays f64); non-floating leaves are left alone. ``inner`` is initialised and
+  updated on the master view, so its whole state is in ``dtype``.
+
+  ``update`` casts the gradients to the master dtype, runs ``inner``, applies
+  its updates to the masters and returns, for each low-precision leaf,
+  ``round(new_master) - param`` in ``dtype``. Hence
+  ``optax.apply_updates(params, updates)`` lands every such leaf exactly on
+  ``new_master`` rounded to the leaf's dtype (saturating at its largest finite
+  value instead of overflowing to inf). The one exception is the exponent-gap
+  corner: when the rounded master is more than ``2**(p_dtype - p_leaf)`` times
+  smaller in magnitude than the current parameter (``2**16`` for bf16,
+  ``2**13`` for fp16, with ``p`` the significand bits), ``param + update`` is
+  itself rounded in ``dtype`` and the parameter lands within half a ``dtype``
+  ulp of the parameter's old magnitude from the target. The master is exact
+  regardless, and the next update targets it again.
+
+  A step whose gradients hold inf or NaN returns zero updates and leaves the
+  masters and the inner state bitwise unchanged (counts and schedules do not
+  advance). Wrap this in :func:`mpx.loss_scale` for fp16, which also backs the
+  loss scale off on such steps.
+
+  Args:
+    inner: the optax rule to run in high precision, e.g. ``optax.adamw(3e-4)``
+      or an ``optax.chain``.
+    dtype: the floating dtype of the masters and of the inner rule.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`MixedPrecisionState`. Its ``update`` requires ``params`` and
+    forwards extra keyword arguments to ``inner``.
+
+  Raises:
+    ValueError: if ``dtype`` is not a floating dtype.
+    TypeError: if ``inner`` is not a gradient transformation.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, mpx
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> tx = mpx.mixed_precision(optax.sgd(1e-3))
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> for _ in range(4):  # 4 steps of 1e-3: each alone is below bf16's ulp
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> round(float(state.master_params["w"][0]), 6)
+    0.996
+    >>> params["w"].dtype, float(params["w"][0])  # plain bf16 SGD stays at 1.0
+    (dtype(bfloat16), 0.99609375)
+  """
+  dtype = tree_lib.require_floating_dtype(dtype, "dtype")
+  check_transformation(inner)
+  inner = optax.with_extra_args_support(inner)
+  master_bits = jnp.finfo(dtype).bits
+
+  def needs_master(leaf: Any) -> bool:
+    return tree_lib.is_floating(leaf) and jnp.finfo(tree_lib.leaf_dtype(leaf)).bits < master_bits
+
+  def init_fn(params: PyTree) -> MixedPrecisionState:
+    sources = _MASTER_SOURCES.get()
+
+    def make_master(leaf):
+      if not needs_master(leaf):
+        return optax.MaskedNode()
+      if sources is not None:
+        leaf = sources.take(leaf)
+      return jnp.asarray(leaf).astype(dtype)
+
+    masters = jax.tree.map(make_master, params)
+    return MixedPrecisionState(
+      master_params=masters, inner_state=inner.init(_master_view(masters, params))
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+        "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
+      )
+    if not isinstance(state, MixedPrecisionState):
+      raise TypeError(
+        "mixed_precision.update got a state of type "
+        f"{type(state).__name__}, not MixedPrecisionState: pass the state made "
+        "by this transformation's init."
+      )
+    masters = state.master_params
+    _check_matches_state(masters, params, needs_master)
+    if jax.tree.structure(updates) != jax.tree.structure(params):
+      raise ValueError(
+        "mixed_precision: gradients do not match params.\n"
+        f"  gradients: {jax.tree.structure(updates)}\n"
+        f"  params: {jax.tree.structure(params)}"
+      )
+    checked = finite_grads.known_finite(updates)
+
+    grads = jax.tree.map(
+      lambda m, g: g if _is_hole(m) else g.astype(dtype), masters, updates, is_leaf=_is_hole
+    )
+    view = _master_view(masters, params)
+    inner_updates, new_inner = inner.update(grads, state.inner_state, view, **extra_args)
+
+    # Flattened with holes as leaves, the three trees align leaf for leaf.
+    flat_masters, treedef = jax.tree.flatten(masters, is_leaf=_is_hole)
+    flat_updates = treedef.flatten_up_to(inner_updates)
+    flat_params = treedef.flatten_up_to(params)
+    new_flat_masters, flat_out = [], []
+    for master, update, param in zip(flat_masters, flat_updates, flat_params, strict=True):
+      if _is_hole(master):
+        new_flat_masters.append(master)
+        flat_out.append(update)
+        continue
+      new_master = (master + update).astype(dtype)
+      param = jnp.asarray(param)
+      target = _saturating_cast(new_master, param.dtype)
+      new_flat_masters.append(new_master)
+      flat_out.append(target.astype(dtype) - param.astype(dtype))
+    new_masters = treedef.unflatten(new_flat_masters)
+    out_updates = treedef.unflatten(flat_out)
+
+    if not checked:
+      finite = tree_lib.all_finite(grads)
+      out_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), out_updates)
+      new_masters = tree_lib.select_tree(finite, new_masters, masters)
+      new_inner = tree_lib.select_tree(finite, new_inner, state.inner_state)
+    return out_updates, MixedPrecisionState(master_params=new_masters, inner_state=new_inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def master_params(opt_state: optax.OptState, params: PyTree) -> PyTree:
+  """The full-precision view of the model held by ``opt_state``.
+
+  Returns ``params`` with every leaf that has a master in some
+  :class:`MixedPrecisionState` of ``opt_state`` (at any depth: chain,
+  ``MultiSteps``, ``inject_hyperparams``, ``partition``) replaced by that
+  master. Use it for evaluation, export and checkpoints. Where ``opt_state``
+  holds no mixed-precision state, ``params`` is returned as is.
+
+  Args:
+    opt_state: an optimizer state containing :func:`mixed_precision` states.
+    params: the low-precision parameters the state was used with.
+
+  Returns:
+    A tree with the structure of ``params``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16), "b": jnp.zeros(2)}
+    >>> state = mpx.mixed_precision(optax.adam(1e-3)).init(params)
+    >>> {k: str(v.dtype) for k, v in mpx.master_params(state, params).items()}
+    {'b': 'float32', 'w': 'float32'}
+  """
+  result = params
+  for state in state_search.find_states(opt_state, MixedPrecisionState):
+    try:
+      result = _master_view(state.master_params, result)
+    except ValueError as error:
+      raise ValueError("master_params: params do not match the masters in opt_state.") from error
+  return result
+
+
+def init_from_full_precision(
+  tx: optax.GradientTransformation,
+  params: PyTree,
+  param_dtype: jax.typing.DTypeLike,
+  where: tree_lib.LeafPredicate | PyTree | None = None,
+) -> tuple[PyTree, optax.OptState]:
+  """Starts low-precision training from full-precision weights, losing no bit.
+
+  Casts ``params`` (e.g. FP32 weights restored from a checkpoint) to
+  ``param_dtype`` with :func:`mpx.cast_tree` and initialises ``tx`` on the
+  result, but seeds every master copy from the *original* value, so each
+  master equals the checkpoint bit for bit (``tx.init`` on cast params could
+  only recover the rounded value). The inner rules are initialised on those
+  exact masters too.
+
+  Args:
+    tx: the full transformation, containing one or more
+      :func:`mixed_precision` (at any depth).
+    params: full-precision parameters.
+    param_dtype: the low-precision dtype to train the model in.
+    where: which floating leaves to cast, as in :func:`mpx.cast_tree`.
+
+  Returns:
+    ``(low_precision_params, opt_state)``.
+
+  Raises:
+    ValueError: if some cast leaf gets no master from ``tx`` (no
+      ``mixed_precision`` covers it, or its ``dtype`` is not wider than
+      ``param_dtype``): its low bits would be lost. The message names the
+      leaves.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> full = {"w": jnp.array([1.0 + 2.0**-20])}  # not representable in bf16
+    >>> tx = mpx.mixed_precision(optax.adam(1e-3))
+    >>> params, state = mpx.init_from_full_precision(tx, full, jnp.bfloat16)
+    >>> params["w"].dtype, bool(state.master_params["w"][0] == full["w"][0])
+    (dtype(bfloat16), True)
+  """
+  check_transformation(tx, "tx")
+  low = tree_lib.cast_tree(params, param_dtype, where)
+  low_with_paths, _ = jax.tree_util.tree_flatten_with_path(low)
+  pairs = [
+    (low_leaf, full_leaf, tree_lib.path_str(path))
+    for (path, low_leaf), full_leaf in zip(low_with_paths, jax.tree.leaves(params), strict=True)
+    if low_leaf is not full_leaf
+  ]
+  sources = _MasterSources(pairs)
+  with _seeding_masters(sources):
+    opt_state = tx.init(low)
+  unused = sources.unused_paths()
+  if unused:
+    raise ValueError(
+      f"init_from_full_precision: {len(unused)} leaves cast to "
+      f"{np.dtype(param_dtype)} got no master copy from tx, so their "
+      f"full-precision bits would be lost: {', '.join(unused[:10])}"
+      f"{' ...' if len(unused) > 10 else ''}. Wrap the rule for them in "
+      "mpx.mixed_precision with a dtype wider than param_dtype, or keep them "
+      "in full precision with `where`."
+    )
+  return low, opt_state

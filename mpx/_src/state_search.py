@@ -1,0 +1,50 @@
+"""Finding and replacing mpx's own states wherever optax nests them.
+
+Optimizer states are trees of NamedTuples (chain tuples, ``MultiStepsState``,
+``InjectStatefulHyperparamsState``, ``PartitionState`` ...). These helpers
+treat instances of a given state class as leaves, so the class is found at
+any depth without knowing the wrappers around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+
+State = TypeVar("State")
+
+
+def find_states(tree: Any, state_type: type[State] | tuple[type, ...]) -> list[State]:
+  """All instances of ``state_type`` in ``tree``, outermost first, in tree order."""
+  found: list[State] = []
+
+  def visit(node: Any) -> None:
+    found.append(node)
+    # States nest (an injected optimizer inside another): look inside too.
+    for child in jax.tree.leaves(tuple(node), is_leaf=lambda x: isinstance(x, state_type)):
+      if isinstance(child, state_type):
+        visit(child)
+
+  for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, state_type)):
+    if isinstance(node, state_type):
+      visit(node)
+  return found
+
+
+def replace_states(
+  tree: Any,
+  state_type: type[State] | tuple[type, ...],
+  replace: Callable[[State], State],
+) -> Any:
+  """Returns ``tree`` with every ``state_type`` instance ``s`` (nested ones too,
+  innermost first) replaced by ``replace(s)``."""
+
+  def visit(node: Any) -> Any:
+    if not isinstance(node, state_type):
+      return node
+    inner = jax.tree.map(visit, tuple(node), is_leaf=lambda x: isinstance(x, state_type))
+    return replace(type(node)(*inner))
+
+  return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, state_type))

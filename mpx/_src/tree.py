@@ -1,0 +1,167 @@
+"""Pytree helpers for mixed precision: finite checks, selection and casting.
+
+Only floating leaves are ever inspected or cast: integer step counters, booleans
+and PRNG keys pass through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+# A predicate receives the leaf's path (``"layer/norm/scale"``) and the leaf.
+LeafPredicate = Callable[[str, Any], bool]
+
+
+def leaf_dtype(leaf: Any) -> np.dtype | None:
+  """Returns the dtype of an array-like leaf, or None for non-numeric leaves."""
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is not None:
+    return np.dtype(dtype)
+  if isinstance(leaf, (bool, int, float, complex)):
+    return np.dtype(jnp.asarray(leaf).dtype)
+  return None
+
+
+def is_floating(leaf: Any) -> bool:
+  """True for real floating-point leaves (f64 ... fp8), False for all else."""
+  dtype = leaf_dtype(leaf)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+  """Renders a pytree key path as ``"a/b/0"`` for predicates and messages."""
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+  """Returns a scalar bool array: True iff no floating leaf holds inf or NaN.
+
+  Non-floating leaves (integer counters, booleans) are ignored and an empty
+  tree is finite. The result stays on device, so it can steer ``jnp.where`` or
+  ``lax.cond`` inside ``jit`` without a host sync.
+
+  Args:
+    tree: any pytree of arrays.
+
+  Returns:
+    A boolean scalar ``jax.Array``.
+
+  Example:
+    >>> import jax.numpy as jnp, mpx
+    >>> bool(mpx.all_finite({"w": jnp.ones(3), "step": jnp.int32(7)}))
+    True
+    >>> bool(mpx.all_finite({"w": jnp.array([1.0, jnp.inf])}))
+    False
+  """
+  checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if is_floating(x)]
+  if not checks:
+    return jnp.asarray(True)
+  return jnp.stack(checks).all()
+
+
+def select_tree(pred: jax.typing.ArrayLike, on_true: PyTree, on_false: PyTree) -> PyTree:
+  """Picks ``on_true`` where the scalar ``pred`` holds, else ``on_false``.
+
+  Both trees must have the same structure, shapes and dtypes; every leaf is
+  selected with ``jnp.where``, so the choice happens on device (jit-friendly,
+  no host sync) and the chosen leaf is returned bit for bit.
+
+  Args:
+    pred: a scalar boolean (array or Python bool).
+    on_true: tree returned where ``pred`` is True.
+    on_false: tree returned where ``pred`` is False.
+
+  Returns:
+    A tree like ``on_true``.
+
+  Raises:
+    ValueError: if ``pred`` is not a scalar, or the trees' structures, shapes or
+      dtypes differ.
+
+  Example:
+    >>> import jax.numpy as jnp, mpx
+    >>> mpx.select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+    {'w': Array([0., 0.], dtype=float32)}
+  """
+  pred = jnp.asarray(pred)
+  if pred.shape != ():
+    raise ValueError(f"select_tree needs a scalar predicate, got shape {pred.shape}.")
+  true_def = jax.tree.structure(on_true)
+  false_def = jax.tree.structure(on_false)
+  if true_def != false_def:
+    raise ValueError(
+      f"select_tree needs two trees of one structure, got {true_def} and {false_def}."
+    )
+
+  def select(path, a, b):
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise ValueError(
+        f"select_tree: leaf {path_str(path)!r} differs between the trees: "
+        f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}."
+      )
+    return jnp.where(pred, a, b)
+
+  return jax.tree_util.tree_map_with_path(select, on_true, on_false)
+
+
+def cast_tree(
+  tree: PyTree,
+  dtype: jax.typing.DTypeLike,
+  where: LeafPredicate | PyTree | None = None,
+) -> PyTree:
+  """Casts the floating leaves of ``tree`` to ``dtype``; all other leaves stay.
+
+  Integer counters, booleans and PRNG keys are never cast. ``where`` picks which
+  floating leaves to cast, to keep e.g. normalisation layers in float32.
+
+  Args:
+    tree: a pytree (model parameters, a batch, an optimizer state).
+    dtype: the floating target dtype, e.g. ``jnp.bfloat16``.
+    where: optional selector of leaves to cast. Either a callable
+      ``where(path, leaf) -> bool`` where ``path`` is the leaf's key path as
+      ``"a/b/0"``, or a pytree of bools with the structure of ``tree`` (or a
+      prefix of it), as for ``optax.masked``. Leaves it rejects keep their dtype.
+
+  Returns:
+    The cast tree, with the structure of ``tree``.
+
+  Raises:
+    ValueError: if ``dtype`` is not a floating dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, mpx
+    >>> params = {"dense": jnp.ones(2), "norm": jnp.ones(2), "step": jnp.int32(0)}
+    >>> low = mpx.cast_tree(params, jnp.bfloat16, where=lambda path, x: "norm" not in path)
+    >>> {k: str(v.dtype) for k, v in low.items()}
+    {'dense': 'bfloat16', 'norm': 'float32', 'step': 'int32'}
+  """
+  dtype = require_floating_dtype(dtype, "dtype")
+
+  def cast(leaf):
+    return leaf.astype(dtype) if is_floating(leaf) else leaf
+
+  if where is None:
+    return jax.tree.map(cast, tree)
+  if callable(where):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: cast(leaf) if where(path_str(path), leaf) else leaf, tree
+    )
+  return jax.tree.map(lambda keep, sub: jax.tree.map(cast, sub) if keep else sub, where, tree)
+
+
+def require_floating_dtype(dtype: Any, name: str) -> np.dtype:
+  """Returns ``np.dtype(dtype)`` or raises a ValueError naming the argument."""
+  try:
+    resolved = np.dtype(jnp.dtype(dtype))
+  except TypeError as error:
+    raise ValueError(f"{name} must be a floating dtype, got {dtype!r}.") from error
+  if not jnp.issubdtype(resolved, jnp.floating):
+    raise ValueError(f"{name} must be a floating dtype such as jnp.float32, got {resolved}.")
+  return resolved
