@@ -59,7 +59,7 @@ def _positive_finite(name: str, value: Any) -> float:
     raise ValueError(f"{name} must be a number, got {value!r}.") from error
   if not math.isfinite(value) or value <= 0:
     raise ValueError(f"{name} must be finite and > 0, got {value}.")
-  if not math.isfinite(float(jnp.float32(value))):
+  if value > float(jnp.finfo(jnp.float32).max):
     raise ValueError(f"{name} must be representable in float32, got {value}.")
   return value
 

@@ -18,13 +18,14 @@ PyTree = Any
 LeafPredicate = Callable[[str, Any], bool]
 
 
-def leaf_dtype(leaf: Any) -> np.dtype | None:
-  """Returns the dtype of an array-like leaf, or None for non-numeric leaves."""
+def leaf_dtype(leaf: Any) -> Any:
+  """The dtype of an array-like leaf (PRNG keys give their extended dtype), or
+  None for non-numeric leaves."""
   dtype = getattr(leaf, "dtype", None)
   if dtype is not None:
-    return np.dtype(dtype)
+    return dtype
   if isinstance(leaf, (bool, int, float, complex)):
-    return np.dtype(jnp.asarray(leaf).dtype)
+    return jnp.asarray(leaf).dtype
   return None
 
 
