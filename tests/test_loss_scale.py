@@ -93,9 +93,7 @@ def test_default_initial_scale_is_representable_in_fp16():
 
 @pytest.mark.parametrize("hysteresis", [1, 3])
 def test_scale_sequence_matches_the_documented_rule(hysteresis):
-  config = dict(
-    init=64.0, growth=2.0, backoff=0.5, interval=3, min_scale=4.0, max_scale=256.0
-  )
+  config = dict(init=64.0, growth=2.0, backoff=0.5, interval=3, min_scale=4.0, max_scale=256.0)
   rng = np.random.default_rng(hysteresis)
   flags = list(rng.random(120) > 0.3) + [True] * 20 + [False] * 10 + [True] * 9
   tx = mpx.loss_scale(

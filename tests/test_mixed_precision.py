@@ -22,7 +22,9 @@ def tree_equal(a, b) -> bool:
 
 def random_tree(seed: int, dtype, shapes=((16, 8), (8,), (8, 4))):
   keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return {f"w{i}": jax.random.normal(k, s).astype(dtype) for i, (k, s) in enumerate(zip(keys, shapes))}
+  return {
+    f"w{i}": jax.random.normal(k, s).astype(dtype) for i, (k, s) in enumerate(zip(keys, shapes))
+  }
 
 
 def test_rejects_non_floating_dtype_and_non_transformations():
@@ -108,7 +110,9 @@ def test_masters_follow_float32_optax_bitwise(param_dtype):
 
   for i in range(20):
     grads = random_tree(100 + i, param_dtype)
-    params, state, reference, reference_state = step(params, state, reference, reference_state, grads)
+    params, state, reference, reference_state = step(
+      params, state, reference, reference_state, grads
+    )
     assert tree_equal(state.master_params, reference)
     assert tree_equal(state.inner_state, reference_state)
     # The low-precision params are the masters, rounded.
@@ -181,7 +185,9 @@ def test_exponent_gap_corner_is_bounded():
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 def test_nonfinite_step_is_skipped_with_state_bitwise_unchanged(bad):
   params = random_tree(1, jnp.bfloat16)
-  tx = mpx.mixed_precision(optax.chain(optax.adam(1e-2), optax.scale_by_schedule(lambda n: 1.0 / (1 + n))))
+  tx = mpx.mixed_precision(
+    optax.chain(optax.adam(1e-2), optax.scale_by_schedule(lambda n: 1.0 / (1 + n)))
+  )
   step = jax.jit(tx.update)
   state = tx.init(params)
   for i in range(3):
