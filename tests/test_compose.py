@@ -75,7 +75,10 @@ def test_learning_rate_changes_without_recompiling():
   assert len(traces) == 1
   # lr 0 and adamw's decay times lr 0: the masters must not move.
   after = mpx.master_params(opt_state, params)
-  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(after)))
+  assert all(
+    np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(after), strict=True)
+  )
 
 
 def test_learning_rate_actually_takes_effect():
@@ -140,7 +143,7 @@ def test_masked_inside_and_outside_mixed_precision():
   inside = mpx.mixed_precision(optax.masked(optax.sgd(0.5), is_kernel))
   outside = optax.masked(mpx.mixed_precision(optax.sgd(0.5)), is_kernel)
   for tx in (inside, outside):
-    updates, state = tx.update(grads, tx.init(params), params)
+    updates, _ = tx.update(grads, tx.init(params), params)
     new = optax.apply_updates(params, updates)
     kernel = params["dense"]["kernel"].astype(jnp.float32) - 0.5
     np.testing.assert_array_equal(new["dense"]["kernel"], kernel.astype(jnp.bfloat16))
@@ -193,5 +196,5 @@ def test_eval_shape_of_init_on_shape_dtype_structs():
   assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
   assert all(
     a.shape == c.shape and a.dtype == c.dtype
-    for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete))
+    for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete), strict=True)
   )

@@ -147,7 +147,7 @@ def test_gradients_are_unscaled_in_float32_with_this_steps_scale():
   state = tx.init(jnp.zeros(3, jnp.float16))
   for _ in range(2):
     scaled = (true_grads * state.loss_scale).astype(jnp.float16)
-    updates, new_state = tx.update(scaled, state, None)
+    _, new_state = tx.update(scaled, state, None)
     assert seen[-1].dtype == jnp.float32
     np.testing.assert_array_equal(seen[-1], scaled.astype(jnp.float32) / state.loss_scale)
     np.testing.assert_allclose(seen[-1], true_grads, rtol=1e-3)

@@ -23,7 +23,8 @@ def tree_equal(a, b) -> bool:
 def random_tree(seed: int, dtype, shapes=((16, 8), (8,), (8, 4))):
   keys = jax.random.split(jax.random.key(seed), len(shapes))
   return {
-    f"w{i}": jax.random.normal(k, s).astype(dtype) for i, (k, s) in enumerate(zip(keys, shapes))
+    f"w{i}": jax.random.normal(k, s).astype(dtype)
+    for i, (k, s) in enumerate(zip(keys, shapes, strict=True))
   }
 
 
