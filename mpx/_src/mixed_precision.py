@@ -51,13 +51,6 @@ def _master_view(masters: PyTree, params: PyTree) -> PyTree:
   return jax.tree.map(lambda m, p: p if _is_hole(m) else m, masters, params, is_leaf=_is_hole)
 
 
-def _saturating_cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
-  """Rounds ``x`` to ``dtype``; values beyond its range become its largest
-  finite value instead of inf (a master of 7e4 must not turn fp16 into inf)."""
-  limit = float(jnp.finfo(dtype).max)
-  return jnp.clip(x, -limit, limit).astype(dtype)
-
-
 class _MasterSources:
   """Full-precision values to seed masters from, keyed by the identity of the
   low-precision leaf that ``init`` will receive (see ``init_from_full_precision``)."""
@@ -258,7 +251,7 @@ def mixed_precision(
         continue
       new_master = (master + update).astype(dtype)
       param = jnp.asarray(param)
-      target = _saturating_cast(new_master, param.dtype)
+      target = tree_lib.saturating_cast(new_master, param.dtype)
       new_flat_masters.append(new_master)
       flat_out.append(target.astype(dtype) - param.astype(dtype))
     new_masters = treedef.unflatten(new_flat_masters)
@@ -315,7 +308,8 @@ def init_from_full_precision(
   """Starts low-precision training from full-precision weights, losing no bit.
 
   Casts ``params`` (e.g. FP32 weights restored from a checkpoint) to
-  ``param_dtype`` with :func:`mpx.cast_tree` and initialises ``tx`` on the
+  ``param_dtype`` with :func:`mpx.cast_tree` (saturating: a weight beyond the
+  fp16 range becomes 65504, not inf) and initialises ``tx`` on the
   result, but seeds every master copy from the *original* value, so each
   master equals the checkpoint bit for bit (``tx.init`` on cast params could
   only recover the rounded value). The inner rules are initialised on those
@@ -346,7 +340,7 @@ def init_from_full_precision(
     (dtype(bfloat16), True)
   """
   check_transformation(tx, "tx")
-  low = tree_lib.cast_tree(params, param_dtype, where)
+  low = tree_lib.cast_tree(params, param_dtype, where, saturate=True)
   low_with_paths, _ = jax.tree_util.tree_flatten_with_path(low)
   pairs = [
     (low_leaf, full_leaf, tree_lib.path_str(path))

@@ -116,6 +116,8 @@ def cast_tree(
   tree: PyTree,
   dtype: jax.typing.DTypeLike,
   where: LeafPredicate | PyTree | None = None,
+  *,
+  saturate: bool = False,
 ) -> PyTree:
   """Casts the floating leaves of ``tree`` to ``dtype``; all other leaves stay.
 
@@ -129,6 +131,9 @@ def cast_tree(
       ``where(path, leaf) -> bool`` where ``path`` is the leaf's key path as
       ``"a/b/0"``, or a pytree of bools with the structure of ``tree`` (or a
       prefix of it), as for ``optax.masked``. Leaves it rejects keep their dtype.
+    saturate: if True, finite values beyond the range of ``dtype`` become its
+      largest finite value (with their sign) instead of inf, as when casting
+      full-precision weights to fp16 for training.
 
   Returns:
     The cast tree, with the structure of ``tree``.
@@ -146,7 +151,9 @@ def cast_tree(
   dtype = require_floating_dtype(dtype, "dtype")
 
   def cast(leaf):
-    return leaf.astype(dtype) if is_floating(leaf) else leaf
+    if not is_floating(leaf):
+      return leaf
+    return saturating_cast(leaf, dtype) if saturate else leaf.astype(dtype)
 
   if where is None:
     return jax.tree.map(cast, tree)
@@ -166,3 +173,14 @@ def require_floating_dtype(dtype: Any, name: str) -> np.dtype:
   if not jnp.issubdtype(resolved, jnp.floating):
     raise ValueError(f"{name} must be a floating dtype such as jnp.float32, got {resolved}.")
   return resolved
+
+
+def saturating_cast(x: Any, dtype: Any) -> jax.Array:
+  """Rounds ``x`` to ``dtype``; finite values beyond its range become its
+  largest finite value instead of inf. inf and NaN stay as they are."""
+  x = jnp.asarray(x)
+  dtype = jnp.dtype(dtype)
+  if jnp.finfo(dtype).max >= jnp.finfo(x.dtype).max:
+    return x.astype(dtype)
+  limit = jnp.asarray(jnp.finfo(dtype).max, x.dtype)
+  return jnp.where(jnp.isfinite(x), jnp.clip(x, -limit, limit), x).astype(dtype)

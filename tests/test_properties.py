@@ -1,0 +1,142 @@
+"""Property tests (hypothesis): the exactness invariant and the skip invariant.
+
+Exactness: after ``optax.apply_updates(params, updates)`` every low-precision
+leaf equals its new master rounded (saturating) to the leaf's dtype, except in
+the documented exponent-gap corner, where the error is bounded. The reference
+is computed in numpy (IEEE float32 and ml_dtypes rounding), not by mpx.
+"""
+
+import functools
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mpx
+
+N = 64
+# Significand bits (with the implicit one) of float32 and of each param dtype.
+SIGNIFICAND = {jnp.bfloat16: 8, jnp.float16: 11}
+NUMPY_TYPE = {jnp.bfloat16: ml_dtypes.bfloat16, jnp.float16: np.float16}
+
+# XLA flushes float32 subnormals to zero on CPU and GPU, so masters are normal
+# floats or zero; the reference flushes too (see `flush`).
+BOUND = float(np.float32(1e30))
+finite_f32 = st.floats(-BOUND, BOUND, width=32, allow_subnormal=False)
+masters = hnp.arrays(np.float32, N, elements=finite_f32)
+# How each new master relates to the old one: anything, a sign flip or zero
+# crossing (-r * old), or a small relative move (old * (1 + r)).
+modes = hnp.arrays(np.int8, N, elements=st.integers(0, 2))
+ratios = hnp.arrays(np.float32, N, elements=st.floats(-2.0, 2.0, width=32))
+
+
+@functools.cache
+def jitted_step(param_dtype):
+  tx = mpx.mixed_precision(optax.identity())  # update == gradient: any move
+
+  @jax.jit
+  def step(full, grads):
+    params, state = mpx.init_from_full_precision(tx, {"w": full}, param_dtype)
+    updates, state = tx.update({"w": grads}, state, params)
+    return params["w"], optax.apply_updates(params, updates)["w"], state.master_params["w"]
+
+  return step
+
+
+def flush(x: np.ndarray) -> np.ndarray:
+  """float32 subnormals to (signed) zero, as XLA computes."""
+  tiny = np.finfo(np.float32).tiny
+  return np.where(np.abs(x) < tiny, np.float32(0) * x, x).astype(np.float32)
+
+
+def saturate(x: np.ndarray, param_dtype) -> np.ndarray:
+  numpy_type = NUMPY_TYPE[param_dtype]
+  limit = np.float32(ml_dtypes.finfo(numpy_type).max)
+  return np.clip(x, -limit, limit).astype(numpy_type)
+
+
+def check_exactness(param_dtype, old, mode, ratio, free):
+  target = np.where(mode == 0, free, np.where(mode == 1, -ratio * old, old * (1 + ratio * 1e-3)))
+  old = flush(old)
+  grads = flush((target.astype(np.float32) - old).astype(np.float32))
+  new_master = flush((old + grads).astype(np.float32))  # IEEE float32, as on device
+  finite = np.isfinite(grads) & np.isfinite(new_master)
+  grads = np.where(finite, grads, 0).astype(np.float32)
+  new_master = np.where(finite, new_master, old).astype(np.float32)
+
+  param, landed, master = (np.asarray(x) for x in jitted_step(param_dtype)(old, grads))
+  np.testing.assert_array_equal(master, new_master)
+  expected = saturate(new_master, param_dtype).astype(np.float64)
+  landed = landed.astype(np.float64)
+  param = param.astype(np.float64)
+  gap = 2.0 ** -(24 - SIGNIFICAND[param_dtype])
+  corner = (expected != 0) & (np.abs(expected) < np.abs(param) * gap)
+  np.testing.assert_array_equal(landed[~corner], expected[~corner])
+  # In the corner: within two float32 ulps of the old param's magnitude.
+  assert np.all(np.abs(landed - expected)[corner] <= np.abs(param[corner]) * 2.0**-22)
+  assert np.all(np.isfinite(landed))
+
+
+@settings(max_examples=150, deadline=None)
+@given(old=masters, mode=modes, ratio=ratios, free=masters)
+def test_bf16_params_land_on_their_rounded_masters(old, mode, ratio, free):
+  check_exactness(jnp.bfloat16, old, mode, ratio, free)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+  old=hnp.arrays(np.float32, N, elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False)),
+  mode=modes,
+  ratio=ratios,
+  free=hnp.arrays(np.float32, N, elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False)),
+)
+def test_fp16_params_land_on_their_rounded_masters(old, mode, ratio, free):
+  """Includes masters beyond the fp16 range: those params saturate at 65504."""
+  check_exactness(jnp.float16, old, mode, ratio, free)
+
+
+@functools.cache
+def jitted_guarded_step():
+  tx = mpx.loss_scale(
+    mpx.mixed_precision(optax.chain(optax.clip_by_global_norm(5.0), optax.adam(1e-2))),
+    init_scale=2.0**8,
+  )
+  return tx, jax.jit(tx.update)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+  shapes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 5)), min_size=1, max_size=4),
+  dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
+  poison=st.sampled_from([np.inf, -np.inf, np.nan]),
+  where=st.integers(0, 10**6),
+  seed=st.integers(0, 2**16),
+)
+def test_any_nonfinite_gradient_skips_with_everything_bitwise_unchanged(
+  shapes, dtype, poison, where, seed
+):
+  rng = np.random.default_rng(seed)
+  params = {f"p{i}": jnp.asarray(rng.normal(size=s), dtype) for i, s in enumerate(shapes)}
+  tx, step = jitted_guarded_step()
+  state = tx.init(params)
+  warm = jax.tree.map(lambda p: jnp.ones_like(p), params)
+  updates, state = step(warm, state, params)
+  params = optax.apply_updates(params, updates)
+
+  grads = {k: np.asarray(rng.normal(size=v.shape), np.float32) for k, v in params.items()}
+  leaf = sorted(grads)[where % len(grads)]
+  flat = grads[leaf].reshape(-1)
+  flat[where % flat.size] = poison
+  grads = {k: jnp.asarray(v, dtype) for k, v in grads.items()}
+  updates, skipped = step(grads, state, params)
+
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  before, after = jax.tree.leaves(state.inner_state), jax.tree.leaves(skipped.inner_state)
+  assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+  assert int(skipped.skipped_steps) == 1
+  assert float(skipped.loss_scale) == float(state.loss_scale) / 2
