@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpx._src import finite_grads, state_search
+from mpx._src import finite_grads, skip_step, state_search
 from mpx._src import tree as tree_lib
 from mpx._src.mixed_precision import check_transformation
 
@@ -126,13 +126,18 @@ def _scaling_transformation(
       )
     scale = state.loss_scale
     # Unscale with the scale this step's loss was multiplied by, not the next.
-    grads = _unscale(updates, scale)
-    finite = _any_nonfinite_across(tree_lib.all_finite(grads), axis_name)
+    # The check reads the unscaled values without storing them; the step
+    # unscales again inside the branch, fused into the inner update.
+    finite = _any_nonfinite_across(tree_lib.all_finite(_unscale(updates, scale)), axis_name)
 
-    with finite_grads.checked_finite(grads):
-      inner_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
-    out_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
-    new_inner = tree_lib.select_tree(finite, new_inner, state.inner_state)
+    def step(updates, inner_state, params):
+      grads = _unscale(updates, scale)
+      with finite_grads.checked_finite(grads):
+        return inner.update(grads, inner_state, params, **extra_args)
+
+    out_updates, new_inner = skip_step.unless_finite(
+      finite, step, (updates, state.inner_state, params), keep=lambda ops: (ops[1],)
+    )
 
     grown = state.growth_tracker + 1 >= growth_interval
     streak = jnp.where(finite, 0, state.overflow_streak + 1)

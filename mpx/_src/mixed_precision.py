@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import finite_grads, state_search
+from mpx._src import finite_grads, skip_step, state_search
 from mpx._src import tree as tree_lib
 
 PyTree = Any
@@ -233,35 +233,43 @@ def mixed_precision(
       )
     checked = finite_grads.known_finite(updates)
 
-    grads = jax.tree.map(
-      lambda m, g: g if _is_hole(m) else g.astype(dtype), masters, updates, is_leaf=_is_hole
-    )
-    view = _master_view(masters, params)
-    inner_updates, new_inner = inner.update(grads, state.inner_state, view, **extra_args)
+    def to_master_dtype(grads):
+      return jax.tree.map(
+        lambda m, g: g if _is_hole(m) else g.astype(dtype), masters, grads, is_leaf=_is_hole
+      )
 
-    # Flattened with holes as leaves, the three trees align leaf for leaf.
-    flat_masters, treedef = jax.tree.flatten(masters, is_leaf=_is_hole)
-    flat_updates = treedef.flatten_up_to(inner_updates)
-    flat_params = treedef.flatten_up_to(params)
-    new_flat_masters, flat_out = [], []
-    for master, update, param in zip(flat_masters, flat_updates, flat_params, strict=True):
-      if _is_hole(master):
-        new_flat_masters.append(master)
-        flat_out.append(update)
-        continue
-      new_master = (master + update).astype(dtype)
-      param = jnp.asarray(param)
-      target = tree_lib.saturating_cast(new_master, param.dtype)
-      new_flat_masters.append(new_master)
-      flat_out.append(target.astype(dtype) - param.astype(dtype))
-    new_masters = treedef.unflatten(new_flat_masters)
-    out_updates = treedef.unflatten(flat_out)
+    def step(grads, inner_state, masters, params):
+      # Cast inside the step, so the float32 copy of the gradients fuses into
+      # the update instead of being written out before it.
+      grads = to_master_dtype(grads)
+      view = _master_view(masters, params)
+      inner_updates, new_inner = inner.update(grads, inner_state, view, **extra_args)
+      # Flattened with holes as leaves, the three trees align leaf for leaf.
+      flat_masters, treedef = jax.tree.flatten(masters, is_leaf=_is_hole)
+      flat_updates = treedef.flatten_up_to(inner_updates)
+      flat_params = treedef.flatten_up_to(params)
+      new_flat_masters, flat_out = [], []
+      for master, update, param in zip(flat_masters, flat_updates, flat_params, strict=True):
+        if _is_hole(master):
+          new_flat_masters.append(master)
+          flat_out.append(update)
+          continue
+        new_master = (master + update).astype(dtype)
+        param = jnp.asarray(param)
+        target = tree_lib.saturating_cast(new_master, param.dtype)
+        new_flat_masters.append(new_master)
+        flat_out.append(target.astype(dtype) - param.astype(dtype))
+      return treedef.unflatten(flat_out), treedef.unflatten(new_flat_masters), new_inner
 
-    if not checked:
-      finite = tree_lib.all_finite(grads)
-      out_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), out_updates)
-      new_masters = tree_lib.select_tree(finite, new_masters, masters)
-      new_inner = tree_lib.select_tree(finite, new_inner, state.inner_state)
+    operands = (updates, state.inner_state, masters, params)
+    if checked:  # an enclosing loss_scale skips the whole step already
+      out_updates, new_masters, new_inner = step(*operands)
+    else:
+      # Checked after the cast: a float64 gradient may overflow float32.
+      finite = tree_lib.all_finite(to_master_dtype(updates))
+      out_updates, new_masters, new_inner = skip_step.unless_finite(
+        finite, step, operands, keep=lambda ops: (ops[2], ops[1])
+      )
     return out_updates, MixedPrecisionState(master_params=new_masters, inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
