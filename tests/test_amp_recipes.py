@@ -9,9 +9,9 @@ Most tests use a *probe* loss, ``sum(x * params)``, whose gradient is ``x``
 whatever the parameters. With ``x`` on a grid of multiples of 1/64 in [-1, 1],
 the scaled fp16 (or bf16) gradient ``S * x`` is exact for every power-of-two
 scale ``S <= 2**15`` and so is its unscaling, so mpx's inner rule and the
-float32 reference see bit-identical gradients and the masters can be compared
-bitwise. Tests whose gradients depend on the weights use a tolerance justified
-where it is set.
+float32 reference see bit-identical gradients and the masters must agree to
+the last bit or two (see ``_assert_matches_fp32``). Tests whose gradients
+depend on the weights use a tolerance justified where it is set.
 """
 
 from __future__ import annotations
@@ -61,11 +61,33 @@ def _probe_loss(params: PyTree, xs: PyTree) -> jax.Array:
 
 def _fp32_run(tx: optax.GradientTransformation, params: PyTree, grads_seq: list) -> PyTree:
   """Plain optax in float32: the reference for unscaled, exact gradients."""
+  step = jax.jit(_apply(tx))
   state = tx.init(params)
   for grads in grads_seq:
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = step(grads, state, params)
   return params
+
+
+def _fp32_train(
+  tx: optax.GradientTransformation, params: PyTree, loss_fn: Callable[..., jax.Array], batches
+) -> PyTree:
+  """Plain optax in float32 on the unscaled loss, one step per batch."""
+  apply = _apply(tx)
+  step = jax.jit(lambda p, s, *batch: apply(jax.grad(loss_fn)(p, *batch), s, p))
+  state = tx.init(params)
+  for batch in batches:
+    params, state = step(params, state, *batch)
+  return params
+
+
+def _apply(tx: optax.GradientTransformation) -> Callable[..., tuple[PyTree, optax.OptState]]:
+  """``(grads, state, params) -> (new_params, new_state)`` for ``tx``."""
+
+  def apply(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return apply
 
 
 def _make_step(
@@ -88,6 +110,21 @@ def _assert_bitwise(actual: PyTree, expected: PyTree) -> None:
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
     assert a.dtype == e.dtype, (a.dtype, e.dtype)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def _assert_matches_fp32(actual: PyTree, expected: PyTree, maxulp: int = 4) -> None:
+  """Float32 trees equal up to a few ulps, i.e. as good as bitwise.
+
+  mpx's step and the reference are separate XLA programs, which may fuse the
+  rule's arithmetic differently (one contracts ``a * b + c`` into an FMA, the
+  other does not), so a last-bit difference now and then is legitimate. Any
+  real mistake (a gradient rounded to fp16, a missing or double unscale, a
+  skipped step) is at least 2**-11 relative, thousands of ulps.
+  """
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    assert a.dtype == e.dtype == F32, (a.dtype, e.dtype)
+    np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(e), maxulp=maxulp)
 
 
 def _dtypes(tree: PyTree) -> set:
@@ -115,28 +152,55 @@ def _find(tree: PyTree, state_type: type) -> list:
 # Typical use: scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
 
 
-def test_typical_use_masters_equal_fp32_adam_bitwise():
+# Adam is blind to a constant factor on the gradients (up to eps), so a
+# missing or doubled unscale only shows with SGD; both are checked.
+@pytest.mark.parametrize("make_rule", [optax.adam, optax.sgd], ids=["adam", "sgd"])
+def test_typical_use_masters_match_fp32(make_rule: Callable[[float], Any]):
   rng = np.random.default_rng(0)
   init = {"w": _grid(rng, (4, 3)), "b": _grid(rng, (3,))}
   xs = [jax.tree.map(lambda p: _grid(rng, p.shape), init) for _ in range(6)]
 
-  tx = mpx.loss_scale(mpx.mixed_precision(optax.adam(1e-2)))
+  tx = mpx.loss_scale(mpx.mixed_precision(make_rule(1e-2)))
   params = mpx.cast_tree(jax.tree.map(jnp.asarray, init), F16)
   opt_state = tx.init(params)
   step = _make_step(tx, _probe_loss)
   for x in xs:
     params, opt_state = step(params, opt_state, x)
 
-  expected = _fp32_run(optax.adam(1e-2), jax.tree.map(jnp.asarray, init), xs)
+  expected = _fp32_run(make_rule(1e-2), jax.tree.map(jnp.asarray, init), xs)
   masters = mpx.master_params(opt_state, params)
-  _assert_bitwise(masters, expected)
+  _assert_matches_fp32(masters, expected)
   # The fp16 model is the rounding of the masters, and stays fp16.
-  _assert_bitwise(params, mpx.cast_tree(expected, F16))
+  _assert_bitwise(params, mpx.cast_tree(masters, F16))
   assert float(mpx.get_loss_scale(opt_state)) == 2.0**15
   assert int(opt_state.skipped_steps) == 0
-  # Six Adam steps of ~1e-2 each: the comparison is not between two no-ops.
-  moved = jax.tree.map(lambda m, p: np.abs(np.asarray(m) - p).min(), masters, init)
-  assert min(jax.tree.leaves(moved)) > 1e-2
+  # Six steps of up to 1e-2 each: the comparison is not between no-ops.
+  moved = jax.tree.map(lambda m, p: np.abs(np.asarray(m) - p).mean(), masters, init)
+  assert min(jax.tree.leaves(moved)) > 2e-3
+
+
+def test_typical_use_rescues_gradients_below_fp16_range():
+  # What loss scaling is for: true gradients k * 2**-26 lie below fp16's
+  # smallest subnormal (2**-24), so plain fp16 backprop rounds them to
+  # multiples of 2**-24 (mostly 0). Scaled by 2**15 they are exact fp16
+  # normals; unscaled in float32 they are exact again, and SGD with lr 1 from
+  # zero puts minus their sum in the masters, bit for bit.
+  rng = np.random.default_rng(8)
+  xs = [{"w": _grid(rng, (16,), nonzero=True) * np.float32(2.0**-20)} for _ in range(3)]
+  params = {"w": jnp.zeros(16, F16)}
+  plain_fp16 = jax.grad(_probe_loss)(params, xs[0])["w"]
+  assert plain_fp16.dtype == F16
+  assert not np.array_equal(np.asarray(plain_fp16, np.float32), xs[0]["w"])
+
+  tx = mpx.loss_scale(mpx.mixed_precision(optax.sgd(1.0)))
+  opt_state = tx.init(params)
+  step = _make_step(tx, _probe_loss)
+  for x in xs:
+    params, opt_state = step(params, opt_state, x)
+  expected = -(xs[0]["w"] + xs[1]["w"] + xs[2]["w"])  # exact: multiples of 2**-26
+  masters = mpx.master_params(opt_state, params)
+  np.testing.assert_array_equal(np.asarray(masters["w"]), expected)
+  assert int(opt_state.skipped_steps) == 0
 
 
 def _mse(params: PyTree, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -161,25 +225,21 @@ def test_typical_use_fp16_regression_tracks_fp32_adam():
   for x, y in batches:
     params, opt_state = step(params, opt_state, x, y)
 
-  ref_tx = optax.adam(1e-2)
-  ref = jax.tree.map(jnp.asarray, init)
-  ref_state = ref_tx.init(ref)
-  for x, y in batches:
-    updates, ref_state = ref_tx.update(jax.grad(_mse)(ref, x, y), ref_state)
-    ref = optax.apply_updates(ref, updates)
+  ref = _fp32_train(optax.adam(1e-2), jax.tree.map(jnp.asarray, init), _mse, batches)
 
   assert _dtypes(params) == {np.dtype(F16)}
   masters = mpx.master_params(opt_state, params)
   assert _dtypes(masters) == {np.dtype(F32)}
   assert int(opt_state.skipped_steps) == 0
   # The fp16 forward rounds inputs, weights and products to 11 bits, so each
-  # gradient differs from fp32's by a relative ~1e-3. Far from the optimum
-  # (10 steps from zero, every |gradient| >> its error) Adam's normalised step
-  # lr * m / sqrt(v) moves by the same relative amount: <= 10 * 1e-2 * 1e-3
-  # = 1e-4 in total. 1e-3 leaves 10x margin, yet every weight moved ~0.1.
+  # gradient differs from fp32's by a relative ~1e-3. Adam's normalised step
+  # lr * m / sqrt(v) moves by about as much: ~10 * 1e-2 * 1e-3 = 1e-4 over ten
+  # steps (measured: 1.5e-5). 3e-4 keeps a margin, while the weights moved by
+  # ~0.08 on average (an fp32 Adam on the unscaled loss would miss by far more
+  # if the gradients were not unscaled, or were rounded to a coarser grid).
   for m, r in zip(jax.tree.leaves(masters), jax.tree.leaves(ref), strict=True):
-    np.testing.assert_allclose(np.asarray(m), np.asarray(r), rtol=0, atol=1e-3)
-    assert np.abs(np.asarray(r)).min() > 0.05
+    np.testing.assert_allclose(np.asarray(m), np.asarray(r), rtol=0, atol=3e-4)
+    assert np.abs(np.asarray(r)).mean() > 0.05
 
 
 # ----------------------------------------------------------------------------
@@ -223,7 +283,7 @@ def test_clipping_sees_unscaled_fp32_grads(make_rule: Callable[[float], Any]):
   # clipping the true ones to max_norm / scale: what PyTorch's page warns of.
   wrong = fp32_run(max_norm / scale)
   assert seen and set(seen) == {np.dtype(F32)}
-  np.testing.assert_array_equal(np.asarray(masters["w"]), right)
+  _assert_matches_fp32(masters["w"], jnp.asarray(right))
   assert np.abs(right - wrong).max() > 1e-2  # the check can tell them apart
   assert float(mpx.get_loss_scale(opt_state)) == scale
 
@@ -249,10 +309,10 @@ def test_gradient_penalty_with_unscale_matches_fp32():
     """loss + ||d loss / d params||; with ``opt_state`` it is the scaled recipe."""
     if opt_state is None:  # The fp32 reference: no scaling at all.
       grads = jax.grad(loss_fn)(params, x, y)
-      return loss_fn(params, x, y) + optax.global_norm(grads)
+      return loss_fn(params, x, y) + optax.tree.norm(grads)
     scaled = jax.grad(lambda p: mpx.scale_loss(loss_fn(p, x, y), opt_state))(params)
     grads = mpx.unscale(scaled, opt_state)  # float32, divided by the scale
-    return mpx.scale_loss(loss_fn(params, x, y) + optax.global_norm(grads), opt_state)
+    return mpx.scale_loss(loss_fn(params, x, y) + optax.tree.norm(grads), opt_state)
 
   tx = mpx.loss_scale(mpx.mixed_precision(optax.sgd(lr)), init_scale=2.0**10)
   params = mpx.cast_tree(jax.tree.map(jnp.asarray, init), F16)
@@ -268,14 +328,10 @@ def test_gradient_penalty_with_unscale_matches_fp32():
     params, opt_state = step(params, opt_state, x, y)
   masters = mpx.master_params(opt_state, params)
 
-  def fp32_run(loss_fn) -> PyTree:
-    ref = jax.tree.map(jnp.asarray, init)
-    for x, y in batches:
-      ref = jax.tree.map(lambda p, g: p - lr * g, ref, jax.grad(loss_fn)(ref, x, y))
-    return ref
-
-  ref = fp32_run(lambda p, x, y: penalised(_tanh_net_loss, p, x, y))
-  unpenalised = fp32_run(_tanh_net_loss)
+  as_f32 = jax.tree.map(jnp.asarray, init)
+  penalised_fp32 = lambda p, x, y: penalised(_tanh_net_loss, p, x, y)  # noqa: E731
+  ref = _fp32_train(optax.sgd(lr), as_f32, penalised_fp32, batches)
+  unpenalised = _fp32_train(optax.sgd(lr), as_f32, _tanh_net_loss, batches)
   assert int(opt_state.skipped_steps) == 0
   for name in init:
     step_mpx = np.asarray(masters[name]) - init[name]
@@ -284,7 +340,7 @@ def test_gradient_penalty_with_unscale_matches_fp32():
     # mpx's gradients pass through fp16 (the scaled cotangents, in both the
     # inner and the outer backward pass, and the fp16 weights of steps 2-3),
     # each a relative rounding of 2**-11 ~ 5e-4. A few such roundings per
-    # entry stay well inside 2e-3 of the total update (measured: ~3e-4).
+    # entry stay well inside 2e-3 of the total update (measured: <= 2.5e-4).
     # The penalty itself moves the weights by far more than that.
     tol = 2e-3 * np.abs(step_ref).max()
     np.testing.assert_allclose(step_mpx, step_ref, rtol=0, atol=tol)
@@ -329,22 +385,22 @@ def test_several_losses_and_models_track_fp32(scale_each: bool):
   for x, y in batches:
     params, opt_state = step(params, opt_state, x, y)
 
-  ref_tx, ref = optax.adam(1e-2), jax.tree.map(jnp.asarray, init)
-  ref_state = ref_tx.init(ref)
-  for x, y in batches:
-    grads = jax.grad(lambda p: sum(_two_model_losses(p, x, y)))(ref)  # noqa: B023
-    updates, ref_state = ref_tx.update(grads, ref_state)
-    ref = optax.apply_updates(ref, updates)
+  ref = _fp32_train(
+    optax.adam(1e-2),
+    jax.tree.map(jnp.asarray, init),
+    lambda p, x, y: sum(_two_model_losses(p, x, y)),  # loss0 + loss1, unscaled
+    batches,
+  )
 
   masters = mpx.master_params(opt_state, params)
   assert int(opt_state.skipped_steps) == 0
   # Forward and loss run in float32; mpx differs from the reference only by
   # the fp16 rounding of the scaled gradients (relative 2**-11) and of the
   # weights after each step. Adam's steps of ~lr = 1e-2 then differ by a
-  # relative ~1e-3, i.e. ~1e-5 each, ~5e-5 over 5 steps: 5e-4 is a 10x margin,
-  # while every weight moved by about 5 * lr.
+  # relative ~1e-3, i.e. ~1e-5 each, ~5e-5 over 5 steps (measured: 7e-6), so
+  # 1e-4 has margin, while every weight moved by about 5 * lr.
   for name in init:
-    np.testing.assert_allclose(np.asarray(masters[name]), np.asarray(ref[name]), atol=5e-4)
+    np.testing.assert_allclose(np.asarray(masters[name]), np.asarray(ref[name]), atol=1e-4)
     assert np.abs(np.asarray(ref[name]) - init[name]).max() > 2e-2
 
 
@@ -437,7 +493,7 @@ def test_parameter_groups_follow_their_own_fp32_rules(layout: str):
   as_f32 = lambda t: jax.tree.map(jnp.asarray, t)  # noqa: E731
   adam_ref = _fp32_run(optax.adam(1e-3), as_f32(init["encoder"]), [x["encoder"] for x in xs])
   sgd_ref = _fp32_run(optax.sgd(1e-2), as_f32(init["head"]), [x["head"] for x in xs])
-  _assert_bitwise(masters, {"encoder": adam_ref, "head": sgd_ref})
+  _assert_matches_fp32(masters, {"encoder": adam_ref, "head": sgd_ref})
   # Swapped rules would land elsewhere, so the groups were really told apart.
   swapped = _fp32_run(optax.sgd(1e-2), as_f32(init["encoder"]), [x["encoder"] for x in xs])
   assert np.abs(np.asarray(swapped["w"]) - np.asarray(adam_ref["w"])).max() > 1e-3
@@ -485,22 +541,43 @@ def test_accumulation_in_fp32_matches_fp32_multisteps(layout: str, param_dtype):
   opt_state = tx.init(params)
   step = _make_step(tx, _probe_loss)
   ref_tx = optax.MultiSteps(optax.adam(1e-2), _K)
+  ref_step = jax.jit(_apply(ref_tx))
   ref = jax.tree.map(jnp.asarray, init)
   ref_state = ref_tx.init(ref)
   for i, x in enumerate(xs):
     previous = params
     params, opt_state = step(params, opt_state, x)
-    updates, ref_state = ref_tx.update(x, ref_state, ref)
-    ref = optax.apply_updates(ref, updates)
+    ref, ref_state = ref_step(x, ref_state, ref)
 
     assert _dtypes(_accumulators(opt_state)) == {np.dtype(F32)}
     assert _dtypes(params) == {np.dtype(param_dtype)}
-    _assert_bitwise(mpx.master_params(opt_state, params), ref)
+    _assert_matches_fp32(mpx.master_params(opt_state, params), ref)
     if (i + 1) % _K:  # between optimizer steps the model does not move
       _assert_bitwise(params, previous)
   if layout.startswith("loss_scale"):
     assert float(mpx.get_loss_scale(opt_state)) == 2.0 ** (8 + 2 * _K)
   assert np.abs(np.asarray(ref["w"]) - init["w"]).min() > 1e-2  # two Adam steps
+
+
+def test_overflowing_micro_batch_is_dropped_from_the_window():
+  # loss_scale outside MultiSteps judges every micro-batch: one that overflows
+  # is skipped like any step (the MultiSteps state, mini_step included, stays
+  # as it was), so the window closes one micro-batch later on finite ones.
+  tx = mpx.loss_scale(optax.MultiSteps(mpx.mixed_precision(optax.sgd(1.0)), 2))
+  step = jax.jit(_apply(tx))
+  params = {"w": jnp.zeros(3, F16)}
+  opt_state = tx.init(params)
+  g1, g2 = np.array([0.5, -0.25, 1.0], np.float32), np.array([0.25, 0.75, -0.5], np.float32)
+  micro = [g1, np.array([np.inf, 0.0, 0.0], np.float32), g2]
+  for i, g in enumerate(micro):
+    scaled = jnp.asarray(g * float(mpx.get_loss_scale(opt_state)), F16)
+    params, opt_state = step({"w": scaled}, opt_state, params)
+    (multi,) = _find(opt_state, optax.MultiStepsState)
+    assert int(multi.mini_step) == [1, 1, 0][i]
+  assert int(opt_state.skipped_steps) == 1
+  assert float(opt_state.loss_scale) == 2.0**14
+  masters = mpx.master_params(opt_state, params)
+  np.testing.assert_array_equal(np.asarray(masters["w"]), -(g1 + g2) / 2)  # exact
 
 
 def test_multisteps_outside_mixed_precision_rounds_the_mean():
@@ -516,11 +593,11 @@ def test_multisteps_outside_mixed_precision_rounds_the_mean():
   assert exact != rounded
 
   def run(tx: optax.GradientTransformation) -> tuple[np.ndarray, PyTree]:
+    step = jax.jit(_apply(tx))
     params = {"w": jnp.ones(2, BF16)}
     opt_state = tx.init(params)
     for g in micro:
-      updates, opt_state = tx.update({"w": jnp.full(2, g, BF16)}, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      params, opt_state = step({"w": jnp.full(2, g, BF16)}, opt_state, params)
     assert params["w"].dtype == BF16
     return np.asarray(mpx.master_params(opt_state, params)["w"]), _accumulators(opt_state)
 

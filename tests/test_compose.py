@@ -118,7 +118,7 @@ class TestAdjust:
       mpx.adjust(self.tx.init(self.params), lr=1e-3)
 
   def test_scheduled_names_are_refused(self):
-    with pytest.raises(ValueError, match="'learning_rate' follow a schedule"):
+    with pytest.raises(ValueError, match="'learning_rate' is driven by a schedule"):
       mpx.adjust(self.tx.init(self.params), learning_rate=1e-3)
 
   def test_bad_shape_is_refused(self):

@@ -313,3 +313,12 @@ def test_master_params_merges_every_mixed_precision_state():
   assert float(params["a"][0]) == 1.0
   assert full["c"] is params["c"]
   assert mpx.master_params(optax.sgd(1.0).init(params), params) is params
+
+
+def test_loss_scale_inside_mixed_precision_is_refused():
+  """The reverse nesting would roll the scale back on every overflow."""
+  params = {"w": jnp.ones(2, jnp.float16)}
+  with pytest.raises(ValueError, match=r"mpx.loss_scale\(mpx.mixed_precision\(inner\)\)"):
+    mpx.mixed_precision(mpx.loss_scale(optax.sgd(0.1))).init(params)
+  with pytest.raises(ValueError, match="wraps a loss_scale"):
+    mpx.mixed_precision(optax.chain(optax.identity(), mpx.loss_scale(optax.sgd(0.1)))).init(params)

@@ -67,10 +67,11 @@ def adjust(opt_state: optax.OptState, **hyperparams: Any) -> optax.OptState:
   scheduled = set().union(*(_scheduled_names(s) for s in injected))
   fixed_by_schedule = sorted(set(hyperparams) & scheduled)
   if fixed_by_schedule:
+    verb = "is" if len(fixed_by_schedule) == 1 else "are"
     raise ValueError(
-      f"adjust: {', '.join(map(repr, fixed_by_schedule))} follow a schedule that "
-      "overwrites them every step; inject a number instead of a schedule to set "
-      "them by hand."
+      f"adjust: {', '.join(map(repr, fixed_by_schedule))} {verb} driven by a schedule, "
+      "which would overwrite the new value on the next step; inject a number "
+      "instead of a schedule to set it by hand."
     )
 
   def convert(name: str, old: Any, value: Any) -> jax.Array:

@@ -18,7 +18,7 @@ import optax
 
 from mpx._src import finite_grads, skip_step, state_search
 from mpx._src import tree as tree_lib
-from mpx._src.mixed_precision import check_transformation
+from mpx._src.base import check_transformation
 
 PyTree = Any
 

@@ -21,6 +21,7 @@ import optax
 
 from mpx._src import finite_grads, skip_step, state_search
 from mpx._src import tree as tree_lib
+from mpx._src.base import check_transformation
 
 PyTree = Any
 
@@ -83,16 +84,6 @@ def _seeding_masters(sources: _MasterSources) -> Iterator[None]:
     yield
   finally:
     _MASTER_SOURCES.reset(token)
-
-
-def check_transformation(inner: Any, name: str = "inner") -> None:
-  """Raises a TypeError unless ``inner`` looks like an optax transformation."""
-  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
-    raise TypeError(
-      f"{name} must be an optax GradientTransformation (with init and update), "
-      f"got {type(inner).__name__}. Did you pass the factory instead of calling "
-      "it, e.g. optax.adam instead of optax.adam(1e-3)?"
-    )
 
 
 def _describe(x: Any) -> str:
@@ -208,9 +199,17 @@ def mixed_precision(
       return jnp.asarray(leaf).astype(dtype)
 
     masters = jax.tree.map(make_master, params)
-    return MixedPrecisionState(
-      master_params=masters, inner_state=inner.init(_master_view(masters, params))
-    )
+    inner_state = inner.init(_master_view(masters, params))
+    # Lazy import: loss_scale is the module that wraps this one.
+    from mpx._src.loss_scale import LossScaleState
+
+    if state_search.find_states(inner_state, LossScaleState):
+      raise ValueError(
+        "mixed_precision wraps a loss_scale: on an overflow its skip would roll "
+        "the loss-scale state back, so the scale could never back off. Nest them "
+        "the other way: mpx.loss_scale(mpx.mixed_precision(inner))."
+      )
+    return MixedPrecisionState(master_params=masters, inner_state=inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:

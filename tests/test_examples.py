@@ -1,0 +1,70 @@
+"""Runs the examples as a user would, in a subprocess, at their smoke size."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+MODES = ("fp32", "bf16+mpx", "fp16+mpx+scale", "bf16 no masters")
+
+
+def run_quickstart(*args: str, smoke: bool) -> subprocess.CompletedProcess[str]:
+  env = dict(os.environ)
+  env.pop("MPX_SMOKE", None)
+  if smoke:
+    env["MPX_SMOKE"] = "1"
+  return subprocess.run(
+    [sys.executable, str(QUICKSTART), *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+  """The table's rows keyed by mode name, each split into its other cells."""
+  rows = {}
+  for line in stdout.splitlines():
+    for mode in MODES:
+      if line.startswith(mode + " "):
+        rows[mode] = line[len(mode) :].split()
+  return rows
+
+
+def test_quickstart_smoke_prints_table():
+  result = run_quickstart(smoke=True)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "train loss" in result.stdout and "state B/param" in result.stdout
+  rows = table_rows(result.stdout)
+  assert set(rows) == set(MODES), result.stdout
+  assert rows["fp32"][0] == "float32"
+  assert rows["bf16+mpx"][0] == "bfloat16"
+  assert rows["fp16+mpx+scale"][0] == "float16"
+  # Optimizer-state bytes per parameter: Adam's two moments, plus a float32
+  # master with mpx; only the loss-scaled mode has a skip count and a scale.
+  assert float(rows["fp32"][5]) == pytest.approx(8.0, abs=0.1)
+  assert float(rows["bf16+mpx"][5]) == pytest.approx(12.0, abs=0.1)
+  assert float(rows["bf16 no masters"][5]) == pytest.approx(4.0, abs=0.1)
+  assert rows["fp16+mpx+scale"][6].isdigit() and float(rows["fp16+mpx+scale"][7]) > 0
+  assert rows["fp32"][6] == rows["fp32"][7] == "-"
+  # The smoke size is not checked against FP32.
+  assert "OK:" not in result.stdout and "FAIL" not in result.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_fails_when_tolerance_is_missed():
+  # No gap can be at most -100%, so the self-check must fail and exit 1.
+  result = run_quickstart(
+    "--steps", "2", "--batch", "8", "--width", "8", "--tolerance", "-1", smoke=False
+  )
+  assert result.returncode == 1, result.stdout + result.stderr
+  assert "FAIL: validation loss of bf16+mpx, fp16+mpx+scale" in result.stdout
