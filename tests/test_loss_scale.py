@@ -10,18 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from treecheck import tree_equal
 
 import mpx
-
-
-def tree_equal(a, b) -> bool:
-  if jax.tree.structure(a) != jax.tree.structure(b):
-    return False
-  return all(
-    np.asarray(x).dtype == np.asarray(y).dtype
-    and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  )
 
 
 def reference_scales(flags, *, init, growth, backoff, interval, min_scale, max_scale, hysteresis):

@@ -5,19 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from treecheck import tree_equal
 
 import mpx
-
-
-def tree_equal(a, b) -> bool:
-  """Bitwise equality of two trees (NaN == NaN), structure included."""
-  if jax.tree.structure(a) != jax.tree.structure(b):
-    return False
-  return all(
-    np.asarray(x).dtype == np.asarray(y).dtype
-    and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  )
 
 
 def random_tree(seed: int, dtype, shapes=((16, 8), (8,), (8, 4))):
