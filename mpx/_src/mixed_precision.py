@@ -22,6 +22,7 @@ import optax
 from mpx._src import finite_grads, skip_step, state_search
 from mpx._src import tree as tree_lib
 from mpx._src.base import check_transformation
+from mpx._src.loss_scale import LossScaleState
 
 PyTree = Any
 
@@ -143,8 +144,9 @@ def mixed_precision(
   corner: when the rounded master is more than ``2**(p_dtype - p_leaf)`` times
   smaller in magnitude than the current parameter (``2**16`` for bf16,
   ``2**13`` for fp16, with ``p`` the significand bits), ``param + update`` is
-  itself rounded in ``dtype`` and the parameter lands within half a ``dtype``
-  ulp of the parameter's old magnitude from the target. The master is exact
+  itself rounded in ``dtype`` and the parameter lands within two ``dtype``
+  ulps of the parameter's old magnitude from the target (a property test
+  checks this bound). The master is exact
   regardless, and the next update targets it again.
 
   A step whose gradients hold inf or NaN returns zero updates and leaves the
@@ -200,9 +202,6 @@ def mixed_precision(
 
     masters = jax.tree.map(make_master, params)
     inner_state = inner.init(_master_view(masters, params))
-    # Lazy import: loss_scale is the module that wraps this one.
-    from mpx._src.loss_scale import LossScaleState
-
     if state_search.find_states(inner_state, LossScaleState):
       raise ValueError(
         "mixed_precision wraps a loss_scale: on an overflow its skip would roll "
