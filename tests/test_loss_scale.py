@@ -300,3 +300,16 @@ def test_axis_name_under_shard_map_on_8_devices():
     [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
   )
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_unscaling_overflow_counts_as_nonfinite_when_scale_below_one():
+  """With a scale below 1 unscaling multiplies: a finite float32 gradient can
+  become inf after unscaling, and that step must be skipped."""
+  tx = mpx.loss_scale(optax.sgd(1.0), init_scale=0.5, min_scale=0.25)
+  state = tx.init(jnp.zeros(2))
+  updates, state = tx.update(jnp.array([3e38, 1.0], jnp.float32), state)
+  assert int(state.skipped_steps) == 1 and not np.any(np.asarray(updates))
+  updates, state = tx.update(jnp.array([1e38, 1.0], jnp.float32), state)  # 4e38 at scale 0.25
+  assert int(state.skipped_steps) == 2
+  updates, state = tx.update(jnp.array([1e30, 1.0], jnp.float32), state)
+  np.testing.assert_array_equal(updates, -jnp.array([4e30, 4.0], jnp.float32))

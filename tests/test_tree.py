@@ -8,13 +8,16 @@ import pytest
 import mpx
 
 
+@pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_all_finite_detects_any_nonfinite_element(bad, dtype):
-  tree = {"a": jnp.ones((3, 4), dtype), "b": [jnp.zeros(5, dtype)]}
-  assert bool(mpx.all_finite(tree))
+def test_all_finite_detects_any_nonfinite_element(bad, dtype, jit):
+  check = jax.jit(mpx.all_finite) if jit else mpx.all_finite
+  big = jnp.finfo(dtype).max  # finite extremes must not read as overflow
+  tree = {"a": jnp.full((3, 4), big, dtype), "b": [jnp.zeros(5, dtype)]}
+  assert bool(check(tree))
   tree["b"][0] = tree["b"][0].at[3].set(bad)
-  assert not bool(mpx.all_finite(tree))
+  assert not bool(check(tree))
 
 
 def test_all_finite_ignores_integers_and_handles_empty_trees():

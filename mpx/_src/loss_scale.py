@@ -125,10 +125,11 @@ def _scaling_transformation(
         "LossScaleState: pass the state made by this transformation's init."
       )
     scale = state.loss_scale
-    # Unscale with the scale this step's loss was multiplied by, not the next.
-    # The check reads the unscaled values without storing them; the step
-    # unscales again inside the branch, fused into the inner update.
-    finite = _any_nonfinite_across(tree_lib.all_finite(_unscale(updates, scale)), axis_name)
+    # Unscale with the scale this step's loss was multiplied by, not the next,
+    # inside the step, fused into the inner update. With scales >= 1 unscaling
+    # cannot overflow, so the check reads the raw gradients (no float32 copy).
+    checked = updates if min_scale >= 1.0 else _unscale(updates, scale)
+    finite = _any_nonfinite_across(tree_lib.all_finite(checked), axis_name)
 
     def step(updates, inner_state, params):
       grads = _unscale(updates, scale)

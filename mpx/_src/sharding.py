@@ -1,0 +1,165 @@
+"""``zero1_shardings``: optimizer state sharded over the data-parallel axis.
+
+In plain data parallelism every device holds the whole optimizer state: with
+:func:`mpx.mixed_precision` and Adam that is 12 bytes per parameter (the
+float32 master and two moments) next to the 2-byte bf16 parameter. ZeRO stage
+1 (Rajbhandari et al., 2020) shards that state across the data-parallel
+devices instead, so each holds ``1 / n`` of it, while the low-precision
+parameters the forward and backward passes read stay replicated.
+
+In JAX this needs no new transformation, only shardings: pass the tree
+returned here as the ``out_shardings`` of a jitted ``tx.init`` and as the
+state's in and out shardings of the jitted step. XLA's SPMD partitioner then
+runs the optimizer update on each device's shard only and all-gathers the new
+parameters: every step's arithmetic is elementwise (for rules such as SGD,
+Adam, AdamW, Lion), so the result equals the replicated run bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+PyTree = Any
+
+
+def _is_hole(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axis names in one entry of a PartitionSpec."""
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    return ()
+  if isinstance(entry, (tuple, list)):
+    return tuple(entry)
+  return (entry,)
+
+
+def _param_spec(leaf: Any, mesh: Mesh, ndim: int) -> tuple[Any, ...]:
+  """The leaf's own PartitionSpec on ``mesh``, padded to ``ndim``; replicated
+  if it carries no NamedSharding on a mesh with the same axes."""
+  sharding = getattr(leaf, "sharding", None)
+  if isinstance(sharding, NamedSharding) and sharding.mesh.shape_tuple == mesh.shape_tuple:
+    entries = tuple(sharding.spec)
+  else:
+    entries = ()
+  if len(entries) > ndim:
+    return (None,) * ndim
+  return entries + (None,) * (ndim - len(entries))
+
+
+def _add_axis(shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Mesh, axis: str) -> Any:
+  """``entries`` with ``axis`` added to the first dimension that divides evenly.
+
+  A dimension not yet sharded is preferred; otherwise ``axis`` is appended to a
+  sharded one (``("model", "data")``). If no dimension divides evenly, the leaf
+  stays replicated over ``axis``.
+  """
+  if any(axis in _axes(entry) for entry in entries):
+    return PartitionSpec(*entries)  # already sharded over axis (e.g. FSDP params)
+  size = mesh.shape[axis]
+
+  def fits(dim: int) -> bool:
+    existing = math.prod(mesh.shape[name] for name in _axes(entries[dim]))
+    return shape[dim] % (existing * size) == 0
+
+  free = [d for d in range(len(shape)) if entries[d] is None and fits(d)]
+  taken = [d for d in range(len(shape)) if entries[d] is not None and fits(d)]
+  new = list(entries)
+  if free:
+    new[free[0]] = axis
+  elif taken:
+    new[taken[0]] = (*_axes(entries[taken[0]]), axis)
+  return PartitionSpec(*new)
+
+
+def zero1_shardings(
+  tx: optax.GradientTransformation,
+  params: PyTree,
+  mesh: Mesh,
+  axis: str | None = "data",
+) -> PyTree:
+  """Shardings that split the optimizer state of ``tx`` across ``axis``.
+
+  Every leaf of the state that mirrors a parameter (the float32 masters of
+  :func:`mpx.mixed_precision`, Adam's ``mu`` and ``nu``, momentum traces) gets
+  its parameter's ``PartitionSpec`` with ``axis`` added to the first dimension
+  whose size divides evenly, so each of the ``n`` devices along ``axis`` holds
+  ``1 / n`` of it. Leaves no dimension of which divides evenly, and every
+  other leaf (step counts, the loss scale and its counters, injected
+  hyperparameters), are left replicated over ``axis``. A parameter already
+  sharded over ``axis`` keeps its spec. ``optax.MaskedNode`` holes (leaves
+  with no master) stay holes, so the tree matches the state's structure.
+
+  Use it as the ``out_shardings`` of a jitted ``tx.init`` and as the state's
+  in and out shardings of the jitted training step, with the parameters'
+  own (replicated) shardings for the parameters. Meant for meshes whose axes
+  are ``jax.sharding.AxisType.Auto`` (GSPMD), which is what
+  ``jax.sharding.Mesh(devices, names)`` makes.
+
+  Args:
+    tx: the optimizer, e.g. ``mpx.mixed_precision(optax.adamw(3e-4))``. Its
+      ``init`` is only traced (``jax.eval_shape``), never run.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``). A leaf with a
+      ``NamedSharding`` on a mesh of ``mesh``'s shape contributes its spec
+      (e.g. tensor parallelism over a ``"model"`` axis); any other leaf counts
+      as replicated.
+    mesh: the device mesh.
+    axis: the data-parallel mesh axis to shard the state over, or None for
+      no ZeRO: every state leaf then mirrors its parameter's sharding (what
+      plain GSPMD gives), and the other leaves are replicated over the mesh.
+
+  Returns:
+    A tree of ``NamedSharding`` with the structure of ``tx.init(params)``.
+
+  Raises:
+    ValueError: if ``axis`` is not an axis of ``mesh``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, mpx
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> from mpx._src.sharding import zero1_shardings
+    >>> mesh = Mesh(jax.devices(), ("data",))
+    >>> replicated = NamedSharding(mesh, P())
+    >>> params = {"w": jnp.ones((48, 3), jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
+    >>> params = jax.device_put(params, replicated)
+    >>> tx = mpx.mixed_precision(optax.adam(1e-3))
+    >>> shardings = zero1_shardings(tx, params, mesh)
+    >>> shardings.master_params["w"].spec, shardings.inner_state[0].count.spec
+    (P('data', None), P())
+    >>> opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
+    >>> opt_state.master_params["w"].sharding == shardings.master_params["w"]
+    True
+    >>> n = len(jax.devices())  # each device holds 1/n of the master
+    >>> opt_state.master_params["w"].addressable_shards[0].data.shape == (48 // n, 3)
+    True
+  """
+  if axis is not None and axis not in mesh.axis_names:
+    raise ValueError(f"zero1_shardings: axis {axis!r} is not an axis of the mesh {mesh.shape}.")
+  replicated = NamedSharding(mesh, PartitionSpec())
+  abstract_state = jax.eval_shape(tx.init, params)
+
+  def shard_like_param(leaf: Any, param: Any) -> Any:
+    if _is_hole(leaf):
+      return leaf
+    shape = tuple(getattr(leaf, "shape", ()))
+    if not shape:
+      return replicated
+    entries = _param_spec(param, mesh, len(shape))
+    if axis is None:
+      return NamedSharding(mesh, PartitionSpec(*entries))
+    return NamedSharding(mesh, _add_axis(shape, entries, mesh, axis))
+
+  return optax.tree_utils.tree_map_params(
+    tx,
+    shard_like_param,
+    abstract_state,
+    params,
+    transform_non_params=lambda _: replicated,
+    is_leaf=_is_hole,
+  )
