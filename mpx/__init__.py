@@ -25,6 +25,7 @@ from mpx._src.mixed_precision import (
   master_params,
   mixed_precision,
 )
+from mpx._src.sharding import zero1_shardings
 from mpx._src.tree import all_finite, cast_tree, select_tree
 
 __version__ = "0.1.0"
@@ -44,4 +45,5 @@ __all__ = [
   "select_tree",
   "static_loss_scale",
   "unscale",
+  "zero1_shardings",
 ]

@@ -11,8 +11,13 @@ In JAX this needs no new transformation, only shardings: pass the tree
 returned here as the ``out_shardings`` of a jitted ``tx.init`` and as the
 state's in and out shardings of the jitted step. XLA's SPMD partitioner then
 runs the optimizer update on each device's shard only and all-gathers the new
-parameters: every step's arithmetic is elementwise (for rules such as SGD,
-Adam, AdamW, Lion), so the result equals the replicated run bit for bit.
+parameters. For elementwise rules (SGD, Adam, AdamW, Lion; loss scaling and the
+masters included) each device computes exactly what it computed before, on a
+slice, so training equals the replicated run bit for bit. A rule with a global
+reduction, such as ``optax.clip_by_global_norm``, sums in another order and
+may differ by a rounding. Constrain the gradients to the parameters' shardings
+in the step (``jax.lax.with_sharding_constraint``) so the finite check runs on
+the reduced, replicated gradients instead of adding collectives of its own.
 """
 
 from __future__ import annotations
@@ -123,7 +128,7 @@ def zero1_shardings(
   Example:
     >>> import jax, jax.numpy as jnp, optax, mpx
     >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    >>> from mpx._src.sharding import zero1_shardings
+    >>> from mpx import zero1_shardings
     >>> mesh = Mesh(jax.devices(), ("data",))
     >>> replicated = NamedSharding(mesh, P())
     >>> params = {"w": jnp.ones((48, 3), jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}

@@ -36,7 +36,9 @@ def unless_finite(
   shapes = jax.eval_shape(step, *operands)
 
   def skip(*ops):
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+    # zeros_like keeps the sharding and varying axes eval_shape recorded, which
+    # cond requires of both branches on explicit meshes and under shard_map.
+    zeros = jax.tree.map(jnp.zeros_like, shapes[0])
     return (zeros, *keep(ops))
 
   return jax.lax.cond(finite, step, skip, *operands)
