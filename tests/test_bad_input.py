@@ -2,9 +2,7 @@
 
 Each row either raises a clear error, at construction or at trace time, that
 names what is wrong, or behaves in a documented, sensible way that the test
-pins down against independently computed values. Tests marked ``xfail`` (strict)
-state the behaviour the table requires where mpx does not have it yet; each
-reason says which change is needed.
+pins down against independently computed values.
 """
 
 import jax
@@ -14,8 +12,6 @@ import optax
 import pytest
 
 import mpx
-
-NEEDS = "needs mpx change: "
 
 
 def bf16_params():
@@ -43,14 +39,11 @@ def test_b2_dtype_given_by_name_is_honoured():
     assert state.master_params["w"].dtype == expected
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS + "refuse dtype=None (numpy reads it as float64)")
 def test_b3_dtype_none_is_refused():
   with pytest.raises(ValueError, match="dtype must be a floating dtype, got None"):
     mpx.mixed_precision(optax.sgd(0.1), dtype=None)
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS + "refuse float64 masters without jax_enable_x64")
-@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")  # JAX's, today
 def test_b4_float64_masters_without_x64_are_refused():
   """JAX would truncate the masters to float32 and give float32 leaves a
   redundant float32 copy; mpx should say so instead."""
@@ -135,7 +128,6 @@ def test_b9_gradient_tree_that_does_not_match_params_is_refused():
       tx.update(grads, tx.init(params), params)
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS + "check each gradient leaf's shape against its param")
 @pytest.mark.parametrize("shape", [(1,), (2, 2), (3,)])
 def test_b10_gradient_of_the_wrong_shape_is_refused(shape):
   """A (1,) gradient for a (2,) param is broadcast today: a silent wrong answer."""
@@ -151,9 +143,6 @@ def test_b10_gradient_of_the_wrong_shape_is_refused(shape):
       tx.update(grads, tx.init(params), params)
 
 
-@pytest.mark.xfail(
-  strict=True, reason=NEEDS + "refuse a non-floating gradient for a floating param"
-)
 def test_b11_integer_gradient_for_a_floating_param_is_refused():
   """loss_scale leaves integer leaves unscaled, so an int32 gradient for a
   floating param would reach the rule S times too large."""
@@ -169,9 +158,6 @@ def test_b11_integer_gradient_for_a_floating_param_is_refused():
       tx.update(grads, tx.init(params), params)
 
 
-@pytest.mark.xfail(
-  strict=True, reason=NEEDS + "loss_scale: check gradients against params if given"
-)
 def test_b11_loss_scale_checks_gradients_against_params_when_given():
   """Without mixed_precision nothing else checks them: today an int32 gradient
   reaches the rule unscaled, and a mismatched tree fails inside optax."""
@@ -221,9 +207,6 @@ def test_b13_integer_leaves_masked_out_of_adam_work():
   assert int(new["n"]) == 3 and new["n"].dtype == jnp.int32
 
 
-@pytest.mark.xfail(
-  strict=True, reason=NEEDS + "name the state leaf whose type the inner rule changed"
-)
 def test_b13_integer_leaves_reaching_adam_raise_a_clear_error():
   params = {"w": jnp.ones(2, jnp.bfloat16), "n": jnp.int32(3)}
   grads = {"w": jnp.ones(2, jnp.bfloat16), "n": jnp.int32(0)}
@@ -293,7 +276,6 @@ def test_b17_scalar_leaves():
 # --- B18-B20: loss-scale settings ---
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS + "name the factor when it is not a number")
 @pytest.mark.parametrize("name", ["growth_factor", "backoff_factor"])
 def test_b18_non_numeric_factor_names_the_argument(name):
   with pytest.raises(ValueError, match=rf"{name} must be a number, got 'x'"):
@@ -409,7 +391,6 @@ MISMATCHED_STATES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS + "check opt_state against this transformation's init")
 @pytest.mark.parametrize("case", list(MISMATCHED_STATES))
 def test_b23_state_from_a_different_transformation_is_refused(case):
   tx, maker, name = MISMATCHED_STATES[case]
@@ -420,7 +401,6 @@ def test_b23_state_from_a_different_transformation_is_refused(case):
     tx.update(params, maker.init(params), params)
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS + "check opt_state against this transformation's init")
 def test_b23_masters_of_another_dtype_are_refused():
   params = {"w": jnp.ones(2, jnp.float8_e4m3fn)}
   bf16_masters = mpx.mixed_precision(optax.adam(0.1), dtype=jnp.bfloat16).init(params)
@@ -431,9 +411,6 @@ def test_b23_masters_of_another_dtype_are_refused():
     tx.update(params, bf16_masters, params)
 
 
-@pytest.mark.xfail(
-  strict=True, reason=NEEDS + "name the state leaf whose type the inner rule changed"
-)
 def test_b24_loss_scale_without_mixed_precision_on_fp16_adam_says_why():
   """loss_scale hands the rule float32 gradients; plain Adam on fp16 params
   keeps fp16 moments, so its state would change type."""

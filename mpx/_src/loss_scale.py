@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpx._src import finite_grads, skip_step, state_search
+from mpx._src import base, finite_grads, skip_step, state_search
 from mpx._src import tree as tree_lib
 from mpx._src.base import check_transformation
 
@@ -52,11 +52,15 @@ class LossScaleState(NamedTuple):
   inner_state: optax.OptState
 
 
-def _positive_finite(name: str, value: Any) -> float:
+def _number(name: str, value: Any) -> float:
   try:
-    value = float(value)
+    return float(value)
   except (TypeError, ValueError) as error:
     raise ValueError(f"{name} must be a number, got {value!r}.") from error
+
+
+def _positive_finite(name: str, value: Any) -> float:
+  value = _number(name, value)
   if not math.isfinite(value) or value <= 0:
     raise ValueError(f"{name} must be finite and > 0, got {value}.")
   if value > float(jnp.finfo(jnp.float32).max):
@@ -124,6 +128,11 @@ def _scaling_transformation(
         f"loss_scale.update got a state of type {type(state).__name__}, not "
         "LossScaleState: pass the state made by this transformation's init."
       )
+    if params is not None:
+      base.check_grads_match_params("loss_scale", updates, params)
+      base.check_state_like(
+        "loss_scale", state.inner_state, jax.eval_shape(inner.init, params), "inner_state/"
+      )
     scale = state.loss_scale
     # Unscale with the scale this step's loss was multiplied by, not the next,
     # inside the step, fused into the inner update. With scales >= 1 unscaling
@@ -137,7 +146,7 @@ def _scaling_transformation(
         return inner.update(grads, inner_state, params, **extra_args)
 
     out_updates, new_inner = skip_step.unless_finite(
-      finite, step, (updates, state.inner_state, params), keep=lambda ops: (ops[1],)
+      "loss_scale", finite, step, (updates, state.inner_state, params), keep=lambda ops: (ops[1],)
     )
 
     grown = state.growth_tracker + 1 >= growth_interval
@@ -244,10 +253,10 @@ def loss_scale(
   init_scale = _positive_finite("init_scale", init_scale)
   min_scale = _positive_finite("min_scale", min_scale)
   max_scale = _positive_finite("max_scale", max_scale)
-  growth_factor = float(growth_factor)
+  growth_factor = _number("growth_factor", growth_factor)
   if not (math.isfinite(growth_factor) and growth_factor > 1.0):
     raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor}.")
-  backoff_factor = float(backoff_factor)
+  backoff_factor = _number("backoff_factor", backoff_factor)
   if not 0.0 < backoff_factor < 1.0:
     raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}.")
   growth_interval = _positive_int("growth_interval", growth_interval)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import finite_grads, skip_step, state_search
+from mpx._src import base, finite_grads, skip_step, state_search
 from mpx._src import tree as tree_lib
 from mpx._src.base import check_transformation
 from mpx._src.loss_scale import LossScaleState
@@ -191,6 +191,12 @@ def mixed_precision(
     return tree_lib.is_floating(leaf) and jnp.finfo(tree_lib.leaf_dtype(leaf)).bits < master_bits
 
   def init_fn(params: PyTree) -> MixedPrecisionState:
+    # Checked here, not at construction: x64 may be switched on in between.
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+      raise ValueError(
+        f"mixed_precision: dtype {dtype} needs jax_enable_x64 (JAX would truncate "
+        f"the masters to {jax.dtypes.canonicalize_dtype(dtype)})."
+      )
     sources = _MASTER_SOURCES.get()
 
     def make_master(leaf):
@@ -223,12 +229,8 @@ def mixed_precision(
       )
     masters = state.master_params
     _check_matches_state(masters, params, needs_master)
-    if jax.tree.structure(updates) != jax.tree.structure(params):
-      raise ValueError(
-        "mixed_precision: gradients do not match params.\n"
-        f"  gradients: {jax.tree.structure(updates)}\n"
-        f"  params: {jax.tree.structure(params)}"
-      )
+    base.check_state_like("mixed_precision", state, jax.eval_shape(init_fn, params))
+    base.check_grads_match_params("mixed_precision", updates, params)
     checked = finite_grads.known_finite(updates)
 
     def to_master_dtype(grads):
@@ -266,7 +268,7 @@ def mixed_precision(
       # Checked after the cast: a float64 gradient may overflow float32.
       finite = tree_lib.all_finite(to_master_dtype(updates))
       out_updates, new_masters, new_inner = skip_step.unless_finite(
-        finite, step, operands, keep=lambda ops: (ops[2], ops[1])
+        "mixed_precision", finite, step, operands, keep=lambda ops: (ops[2], ops[1])
       )
     return out_updates, MixedPrecisionState(master_params=new_masters, inner_state=new_inner)
 

@@ -14,8 +14,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mpx._src import base
+
 
 def unless_finite(
+  name: str,
   finite: jax.Array,
   step: Callable[..., tuple[Any, ...]],
   operands: tuple[Any, ...],
@@ -24,6 +27,7 @@ def unless_finite(
   """``step(*operands)`` if ``finite``, else zero updates and the kept state.
 
   Args:
+    name: the transformation, for error messages.
     finite: scalar bool array.
     step: returns ``(updates, *new_state)``.
     operands: the arguments of ``step``.
@@ -32,8 +36,13 @@ def unless_finite(
 
   Returns:
     ``step``'s outputs, or ``(zeros like its updates, *keep(operands))``.
+
+  Raises:
+    TypeError: if ``step`` returns state of other types than it was given
+      (the skipped branch could not return the old state then).
   """
   shapes = jax.eval_shape(step, *operands)
+  base.check_state_types_kept(name, shapes[-1], keep(operands)[-1])
 
   def skip(*ops):
     # zeros_like keeps the sharding and varying axes eval_shape recorded, which

@@ -170,6 +170,8 @@ def cast_tree(
 
 def require_floating_dtype(dtype: Any, name: str) -> np.dtype:
   """Returns ``np.dtype(dtype)`` or raises a ValueError naming the argument."""
+  if dtype is None:  # numpy would read None as float64
+    raise ValueError(f"{name} must be a floating dtype, got None.")
   try:
     resolved = np.dtype(jnp.dtype(dtype))
   except TypeError as error:
