@@ -60,14 +60,22 @@ def all_finite(tree: PyTree) -> jax.Array:
     >>> bool(mpx.all_finite({"w": jnp.array([1.0, jnp.inf])}))
     False
   """
-  # x * 0 is 0 for every finite x and NaN for inf and NaN, so each sum is 0 or
-  # NaN and never overflows. XLA fuses the product into the reduction (one
-  # read pass, nothing stored), which an all() over isfinite does not.
-  # Summed in the leaf's own dtype: no float32 copy of 16-bit gradients.
-  sums = [jnp.sum(x * 0).astype(jnp.float32) for x in jax.tree.leaves(tree) if is_floating(x)]
-  if not sums:
+  flags = []
+  for x in jax.tree.leaves(tree):
+    if not is_floating(x):
+      continue
+    if leaf_dtype(x) == jnp.float16:
+      # XLA:CPU computes float16 arithmetic through slow conversions, but
+      # tests float16 finiteness on the bits.
+      flags.append(jnp.isfinite(x).all())
+    else:
+      # x * 0 is 0 for every finite x and NaN for inf and NaN, so the sum is 0
+      # or NaN and never overflows; XLA fuses the product into one reading
+      # pass, where all() over isfinite stores a predicate per element first.
+      flags.append(jnp.isfinite(jnp.sum(x * 0, dtype=jnp.float32)))
+  if not flags:
     return jnp.asarray(True)
-  return jnp.isfinite(sum(sums))
+  return jnp.stack(flags).all()
 
 
 def select_tree(pred: jax.typing.ArrayLike, on_true: PyTree, on_false: PyTree) -> PyTree:
