@@ -1,0 +1,598 @@
+"""Renders benchmark results as Markdown (docs/benchmarks.md) and a PNG figure."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Any
+
+from benchmarks.optimizer_step import BASELINE, HAND
+
+# Targets from the benchmarks issue, evaluated at sizes of at least this many params.
+TARGET_MIN_PARAMS = 8 * 2**20
+TARGET_VS_HAND = 1.05
+TARGET_VS_FP32 = 1.10
+MPX_FP16 = "mpx fp16"
+# Lets Sphinx build docs/ with -W while no toctree lists the page yet.
+FRONT_MATTER = "---\norphan: true\n---\n\n"
+
+
+def size_label(n: int) -> str:
+  for unit, div in (("M", 2**20), ("K", 2**10)):
+    if n >= div:
+      value = n / div
+      return f"{value:.0f}{unit}" if abs(value - round(value)) < 0.05 else f"{value:.1f}{unit}"
+  return str(n)
+
+
+def _f(x: Any, fmt: str = ".2f", none: str = "-") -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return none
+  return format(x, fmt)
+
+
+def _syncs(row: dict[str, Any]) -> str:
+  value = row.get("host_syncs")
+  if value == 0:
+    return "0"
+  return "n/a" if value is None else f"**refused**: {value}"
+
+
+def _compiles(row: dict[str, Any]) -> str:
+  compiles, traces = row.get("compiles"), row.get("traces")
+  if compiles is None:
+    return "-"
+  text = str(compiles) if compiles == traces else f"{compiles} ({traces} traces)"
+  return text if compiles == 1 else f"**{text}**"
+
+
+def table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+  align = align or "l" + "r" * (len(header) - 1)
+  marks = [":--" if a == "l" else "--:" for a in align]
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|"]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def targets(results: dict[str, Any]) -> list[list[str]]:
+  """One row per target and size: what was asked, what was measured, verdict."""
+  rows = []
+  for size in results["optimizer"]["sizes"]:
+    if size["n"] < TARGET_MIN_PARAMS:
+      continue
+    r = size["rows"]
+    label = size["label"]
+    fp16 = r.get(MPX_FP16)
+    if fp16 is None:
+      continue
+    vs_hand = fp16.get("x_hand")
+    if vs_hand is not None:
+      met = vs_hand <= TARGET_VS_HAND
+      rows.append(
+        [
+          label,
+          f"mpx fp16 <= {TARGET_VS_HAND:.2f}x {HAND}",
+          f"{vs_hand:.2f}x",
+          "met" if met else f"**missed** by {vs_hand / TARGET_VS_HAND:.2f}x",
+        ]
+      )
+    vs_fp32 = fp16.get("x_base")
+    rows.append(
+      [
+        label,
+        f"mpx fp16 near the ~{TARGET_VS_FP32:.1f}x floor vs plain FP32 Adam",
+        f"{vs_fp32:.2f}x",
+        "met"
+        if vs_fp32 <= TARGET_VS_FP32
+        else f"**missed**: {vs_fp32 / TARGET_VS_FP32:.2f}x the floor",
+      ]
+    )
+    peers = {k: v for k, v in r.items() if v.get("kind") == "peer"}
+    if peers:
+      slower = [
+        f"{k} ({fp16['ms'] / v['ms']:.2f}x)" for k, v in peers.items() if fp16["ms"] >= v["ms"]
+      ]
+      best = min(peers, key=lambda k: peers[k]["ms"])
+      rows.append(
+        [
+          label,
+          "mpx fp16 faster than every peer's fp16 path",
+          f"{fp16['ms'] / peers[best]['ms']:.2f}x the fastest peer ({best})",
+          "met" if not slower else "**missed**: slower than " + ", ".join(slower),
+        ]
+      )
+  return rows
+
+
+def optimizer_sections(results: dict[str, Any]) -> list[str]:
+  opt = results["optimizer"]
+  sizes = opt["sizes"]
+  variants = opt["variants"]
+  out = []
+
+  # Time table: ms and ratios per size.
+  header = ["variant", "params"]
+  for size in sizes:
+    header += [f"{size['label']} ms", f"{size['label']} x fp32"]
+    if size["n"] >= TARGET_MIN_PARAMS:
+      header.append(f"{size['label']} x hand")
+  rows = []
+  for v in variants:
+    row = [v["name"], v["param_dtype"]]
+    for size in sizes:
+      r = size["rows"].get(v["name"])
+      big = size["n"] >= TARGET_MIN_PARAMS
+      if r is None:
+        row += ["n/a", "n/a"] + (["n/a"] if big else [])
+        continue
+      row += [_f(r["ms"], ".1f" if r["ms"] >= 10 else ".2f"), _f(r["x_base"])]
+      if big:
+        row.append(_f(r.get("x_hand")))
+    rows.append(row)
+  out.append(
+    "*ms*: median milliseconds per step. *x fp32*: median over rounds of the "
+    "variant's time over that of plain FP32 Adam timed just before and after it (the "
+    "two medians need not agree exactly on a busy machine); *x hand*, at 8M params and "
+    "up: the same against the hand-written step without safety. "
+    + ", ".join(
+      f"{s['label']}: {s['rounds']} rounds of {s['steps_per_round']} steps" for s in sizes
+    )
+    + "."
+  )
+  out.append(table(header, rows, "ll" + "r" * (len(header) - 2)))
+  missing = {}
+  for size in sizes:
+    missing.update(size.get("unavailable", {}))
+  if missing:
+    out.append("\n".join(f"- n/a: **{k}**: {why}" for k, why in missing.items()))
+
+  # Bandwidth table at the largest size.
+  big = sizes[-1]
+  roof = big["roofline"]
+  rows = []
+  for v in variants:
+    r = big["rows"].get(v["name"])
+    if r is None:
+      continue
+    rows.append(
+      [
+        v["name"],
+        str(v["min_bytes"]),
+        _f(r["state_bpp"]),
+        _f(r["gbps"], ".1f"),
+        _f(r["roof_pct"], ".0f") + "%",
+        _f(r["floor_x"]),
+        _syncs(r),
+        _compiles(r),
+      ]
+    )
+  out.append(
+    f"Bytes and bandwidth at {big['label']} ({big['n']:,} params). Roofline: "
+    f"in-place copy `x+1` {roof['copy']:.1f} GB/s, axpy `y+a*x` {roof['axpy']:.1f} GB/s, "
+    f"measured in the same rounds; the better of the two, {roof['best']:.1f} GB/s, is the "
+    "roofline. *min B/param*: bytes the variant must read and write per parameter at "
+    "minimum; *state B/param*: optimizer-side state (masters, moments, counters, loss "
+    "scale; not the params); *GB/s*: min B/param x params / median time; *x floor*: "
+    "the variant's time over the time the roofline probe would need for min B/param "
+    "(median over rounds, each against the probe's adjacent-baseline ratio); *of "
+    "roofline*: its inverse."
+  )
+  out.append(
+    table(
+      [
+        "variant",
+        "min B/param",
+        "state B/param",
+        "GB/s",
+        "of roofline",
+        "x floor",
+        "host syncs",
+        "compiles",
+      ],
+      rows,
+    )
+  )
+
+  # The finite check alone.
+  checks = {k: v for k, v in big.get("probes", {}).items() if v["group"] == "check"}
+  if checks:
+    rows = [
+      [
+        name,
+        str(c["bytes_per_param"]),
+        _f(c["ms"], ".1f" if c["ms"] >= 10 else ".2f"),
+        _f(c["gbps"], ".1f"),
+        _f(c["x_copy"]),
+        _f(c["profile"]["temp_bytes"] / big["n"], ".1f"),
+        str(c["profile"]["custom_fusions"]),
+      ]
+      for name, c in checks.items()
+    ]
+    out.append(
+      f"### The finite check alone, at {big['label']}\n\n"
+      "Each check reduces the fp16 gradients to one flag (a donated scalar); the "
+      "reference adds 1 to every fp16 gradient in place (reads and writes 2 bytes per "
+      "parameter). *temp B/param*: scratch XLA allocates per parameter; *kCustom*: "
+      "fusions XLA:CPU hands to a library kernel (YNNPACK)."
+    )
+    out.append(
+      table(
+        ["check", "min B/param", "ms", "GB/s", "x reference", "temp B/param", "kCustom"],
+        rows,
+      )
+    )
+
+  # HLO profile.
+  profile = big.get("profile", {})
+  if profile:
+    rows = []
+    for v in variants:
+      p = profile.get(v["name"])
+      if p is None:
+        continue
+      rows.append(
+        [
+          v["name"],
+          str(p["fusion"]),
+          str(p["custom_fusions"]),
+          str(p["copy"]),
+          str(p["conditional"]),
+          str(p["in_branches"]),
+          _f(p["temp_bytes"] / 2**20, ".0f"),
+          _f(p["temp_bytes"] / big["n"], ".1f"),
+        ]
+      )
+    out.append(
+      f"### Profile: the compiled step at {big['label']}\n\n"
+      "Counted in `compiled.as_text()` outside fused computations: *fusions* are the "
+      "kernels XLA runs, *kCustom* those of them handed to a library (YNNPACK "
+      "reductions); *copies* are standalone `copy` instructions, each of a whole "
+      "buffer (a state leaf, or a scalar counter); *conditionals* are `lax.cond`s; "
+      "*in branches* counts the "
+      "instructions inside conditional branches; *temp* is "
+      "`memory_analysis().temp_size_in_bytes`, scratch beyond the donated buffers."
+    )
+    out.append(
+      table(
+        [
+          "variant",
+          "fusions",
+          "kCustom",
+          "copies",
+          "conditionals",
+          "in branches",
+          "temp MiB",
+          "temp B/param",
+        ],
+        rows,
+      )
+    )
+
+  # Compile time.
+  comp = opt.get("compile", {})
+  if comp:
+    rows = [
+      [v["name"], _f(comp[v["name"]]["s"]), _f(comp[v["name"]]["x_base"])]
+      for v in variants
+      if v["name"] in comp
+    ]
+    out.append(
+      f"### Compile time\n\nTrace + lower + compile of the step on the {sizes[0]['label']} "
+      f"tree ({opt['leaves']} leaves), median of {opt['compile_repeats']} fresh "
+      "compilations each, interleaved."
+    )
+    out.append(table(["variant", "seconds", "x optax adam"], rows))
+  return out
+
+
+def train_section(results: dict[str, Any]) -> list[str]:
+  train = results.get("train")
+  if not train:
+    return []
+  m = train["model"]
+  rows = []
+  for mode, r in train["rows"].items():
+    rows.append(
+      [
+        mode,
+        r["param_dtype"],
+        _f(r["ms"], ".1f"),
+        _f(r["x_base"]),
+        _f(r["state_bpp"]),
+        _f(r["peak_bytes"] / 2**20, ".1f"),
+        _f(r["compile_s"]),
+        _f(r["compile_x"]),
+        _syncs(r),
+        _compiles(r),
+        "-" if r["skipped"] is None else str(r["skipped"]),
+      ]
+    )
+  intro = (
+    f"{train['rounds']} rounds of {train['steps_per_round']} steps. "
+    f"The demo transformer (`benchmarks/model.py`): {m['params']:,} params, width "
+    f"{m['width']}, {m['depth']} blocks, {m['heads']} heads, vocabulary {m['vocab']}, "
+    f"batch {m['batch']} x {m['seq']} tokens; AdamW; forward, backward, update and "
+    "apply in one jitted step with params and state donated. *opt state B/param*: "
+    "optimizer-state bytes per parameter; *peak*: "
+    f"{train['peak_source']} (arguments + non-aliased outputs + temporaries); "
+    "*skipped*: non-finite steps skipped during the timed steps (the one forced skip "
+    "that checks the compile count is not included)."
+  )
+  return [
+    intro,
+    table(
+      [
+        "mode",
+        "params",
+        "ms/step",
+        "x fp32",
+        "opt state B/param",
+        "peak MiB",
+        "compile s",
+        "compile x fp32",
+        "host syncs",
+        "compiles",
+        "skipped",
+      ],
+      rows,
+      "ll" + "r" * 9,
+    ),
+  ]
+
+
+def _temp(profile: dict[str, Any], name: str) -> int:
+  return profile.get(name, {}).get("temp_bytes", 0)
+
+
+def explanation(results: dict[str, Any]) -> str:
+  """Where the cost of safety comes from, decomposed with this run's numbers."""
+  big = results["optimizer"]["sizes"][-1]
+  r = big["rows"]
+  needed = (
+    BASELINE,
+    HAND,
+    "hand + cond (flag given)",
+    "hand + check",
+    "hand + cond",
+    "hand + select",
+    MPX_FP16,
+  )
+  if any(name not in r for name in needed):
+    return "Not computed: this run left out some of " + ", ".join(needed) + "."
+
+  def ms(name: str) -> float:
+    return r[name]["ms"]
+
+  def x(name: str) -> float:
+    return r[name]["x_hand"]
+
+  def part(delta: float) -> str:
+    """A difference of paired ratios to the hand step, in its ms and percent."""
+    change = delta * ms(HAND)
+    return f"{change:+.{0 if abs(change) >= 10 else 1}f} ms ({100 * delta:+.0f}% of the hand step)"
+
+  profile = big.get("profile", {})
+  checks = big.get("probes", {})
+
+  def copies(name: str) -> str:
+    return str(profile.get(name, {}).get("copy", "?"))
+
+  def scratch(name: str) -> str:
+    temp = profile.get(name, {}).get("temp_bytes")
+    return "?" if temp is None else f"{temp / big['n']:.1f}"
+
+  check_mpx = checks.get("mpx.all_finite (this checkout)")
+  check_sum = checks.get("isfinite(sum(x*0)) per leaf")
+  check_leaf = checks.get("all(isfinite(x)) per leaf (jmp, optax)")
+  copy = checks.get("fp16 grads x+1 (reference)")
+  lines = [
+    f"Decomposed at {big['label']}, from the *x hand* ratios, against the hand-written "
+    f"step without safety ({ms(HAND):.1f} ms, {r[HAND]['x_base']:.2f}x plain FP32 "
+    f"Adam's {ms(BASELINE):.1f} ms):",
+    "",
+    f"- `lax.cond` itself, on a flag passed in (*hand + cond (flag given)*): "
+    f"{part(x('hand + cond (flag given)') - 1)};",
+    f"- computing mpx's finite check and ignoring it (*hand + check*): "
+    f"{part(x('hand + check') - 1)};",
+    f"- acting on it with `lax.cond` (*hand + cond* minus *hand + check*): "
+    f"{part(x('hand + cond') - x('hand + check'))};",
+    f"- acting on it with a `jnp.where` select over the donated state instead "
+    f"(*hand + select* minus *hand + check*): "
+    f"{part(x('hand + select') - x('hand + check'))}, with "
+    f"{copies('hand + select')} copies in its HLO;",
+    f"- mpx fp16 over *hand + cond*: {part(x(MPX_FP16) - x('hand + cond'))}, with "
+    f"{copies(MPX_FP16)} copies and {scratch(MPX_FP16)} bytes of scratch per parameter "
+    f"in its HLO, against {copies('hand + cond')} and {scratch('hand + cond')}"
+    + (
+      ": its conditional returns float32 updates, which `optax.apply_updates` reads "
+      "back outside it, where the hand step applies them inside the same branch."
+      if _temp(profile, MPX_FP16) >= _temp(profile, "hand + cond") + 4 * big["n"]
+      else "."
+    ),
+  ]
+  if check_mpx and check_sum and check_leaf and copy:
+
+    def check(c: dict[str, Any]) -> str:
+      p = c["profile"]
+      return (
+        f"{c['ms']:.1f} ms, {c['x_copy']:.1f}x the reference, with "
+        f"{p['temp_bytes'] / big['n']:.0f} bytes of scratch per parameter and "
+        f"{p['custom_fusions']} kCustom reductions"
+      )
+
+    lines += [
+      "",
+      "The checks alone, on the fp16 gradients, against reading and writing them once "
+      f"({copy['ms']:.1f} ms): mpx's own `mpx.all_finite` takes {check(check_mpx)}; "
+      f"`isfinite(sum(x*0))` per leaf takes {check(check_sum)}; `all(isfinite(x))` per "
+      f"leaf, as jmp and optax check, takes {check(check_leaf)}. Scratch bytes mean "
+      "XLA:CPU stores an intermediate (the float32 product `x*0`, or a predicate per "
+      "element) instead of fusing it into the reduction.",
+    ]
+  lines += [
+    "",
+    "The floor: a checked step must read the 16-bit gradients once before it writes "
+    "anything, 30 bytes per parameter against plain FP32 Adam's 28, so about 1.07x on "
+    "a bandwidth-bound machine.",
+  ]
+  return "\n".join(lines)
+
+
+METHOD = """\
+- Each benchmark keeps all its variants alive, warms each up (compilation and two
+  steps), then runs them in a freshly shuffled order in every round, each between
+  two windows of the baseline (plain FP32 Adam; the FP32 training step); a window
+  times a few consecutive steps (dispatch is asynchronous, so this is steady-state
+  throughput), enough for the baseline's to last about 0.1 s. Reported: the median
+  over rounds of the time per step, and the median over rounds of the ratio to the
+  mean of the two adjacent baseline windows, so that the machine's slow phases
+  cancel out of the ratios.
+- Params, masters and optimizer state are donated (`donate_argnums=0`); gradients
+  are fixed, finite arrays (fp16 ones made with a loss scale of 2**15).
+- Host syncs: after warm-up, steps run under `jax.transfer_guard("disallow")`;
+  any host-device transfer raises and is reported. Compiles: XLA backend
+  compilations counted by a `jax.monitoring` listener while the variant's steps
+  run, over the whole run, which ends with one non-finite step (an inf in one
+  gradient leaf) for every variant that skips, so finite and skipped steps must
+  share one executable. A Python counter in the traced function counts traces;
+  a cell shows both when they differ.
+- The peers do the same fp16 job with their own tools: float32 masters (their
+  float32 params), fp16 params for the forward pass (their cast for compute, in
+  the same jitted step, so XLA may fuse it), Adam's state in float32.
+  mixed-precision-for-JAX is installed by `benchmarks/peers.py` into
+  `benchmarks/.vendor/` and imported under another name, as it also imports as
+  `mpx`.
+- Bytes per parameter are the minimum each variant must move, not what XLA
+  moves; the gap between them is the *x floor* column.
+- Timings on a shared 2-core machine move by 10-20% between runs; ratios
+  within one run are steadier than absolute times."""
+
+
+def render_markdown(results: dict[str, Any], png_name: str | None) -> str:
+  machine = results["machine"]
+  parts = [
+    "# Benchmarks",
+    "Generated by `benchmarks/run.py`; do not edit by hand. Regenerate with:\n\n"
+    f"```bash\n{results['command']}\n```",
+    table(
+      ["machine", ""],
+      [
+        ["mpx", machine["mpx"]],
+        ["CPU", machine["cpu"]],
+        ["cores", machine["cores"]],
+        ["memory", machine["memory"]],
+        ["device", machine["device"]],
+        [
+          "python / jax / optax / flax",
+          " / ".join(machine[k] for k in ("python", "jax", "optax", "flax")),
+        ],
+        ["date", machine["date"]],
+        ["load average at start", machine["load"]],
+        ["run time", f"{results['runtime_s']:.0f} s"],
+      ],
+      "ll",
+    ),
+  ]
+  rows = targets(results)
+  parts.append("## Targets")
+  if rows:
+    parts.append(
+      "The benchmarks issue's targets for the optimizer step on the CPU, at 16M and "
+      "64M parameters (not tuned for: measured as they came out)."
+    )
+    parts.append(table(["size", "target", "measured", "verdict"], rows, "llll"))
+  else:
+    parts.append("Not evaluated: no size of at least 8M parameters in this run.")
+  if png_name:
+    parts.append(f"![optimizer step time relative to plain FP32 Adam]({png_name})")
+  parts.append("## 1. Optimizer step (Adam)")
+  opt = results["optimizer"]
+  parts.append(
+    "One jitted `step(state, grads) -> state`, state donated. The tree is "
+    "transformer-shaped: " + "; ".join(f"{s['label']}: {s['desc']}" for s in opt["sizes"]) + "."
+  )
+  parts.append(
+    table(
+      ["variant", "what it runs"],
+      [[v["name"], v["what"]] for v in opt["variants"]],
+      "ll",
+    )
+  )
+  parts += optimizer_sections(results)
+  parts.append("### Where the cost comes from")
+  parts.append(explanation(results))
+  train = train_section(results)
+  if train:
+    parts.append("## 2. Whole training step")
+    parts += train
+  parts.append("## Method")
+  parts.append(METHOD)
+  return "\n\n".join(parts) + "\n"
+
+
+TICKS = {
+  HAND: "hand-written\n(no safety)",
+  "hand + cond (flag given)": "hand + cond\n(flag given)",
+  "hand + check": "hand\n+ check",
+  "hand + cond": "hand\n+ cond",
+  "hand + select": "hand\n+ select",
+  "mpx bf16": "mpx\nbf16",
+  "mpx fp16": "mpx\nfp16",
+  "jmp fp16": "jmp\nfp16",
+  "flax DynamicScale fp16": "flax Dynamic-\nScale fp16",
+  "mixed-precision-for-JAX fp16": "mixed-precision-\nfor-JAX fp16",
+  "optax.apply_if_finite fp16": "optax.apply_\nif_finite fp16",
+}
+
+
+def render_png(results: dict[str, Any], path: pathlib.Path) -> bool:
+  """Grouped bars: each variant's step time over plain FP32 Adam's, per size.
+
+  Returns:
+    False, drawing nothing, if matplotlib is not installed (it comes with the
+    ``bench`` and ``examples`` extras, not with ``test``).
+  """
+  try:
+    import matplotlib
+  except ImportError:
+    return False
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  opt = results["optimizer"]
+  names = [v["name"] for v in opt["variants"] if v["name"] != BASELINE]
+  sizes = opt["sizes"]
+  fig, ax = plt.subplots(figsize=(11, 5.2), dpi=110)
+  width = 0.8 / max(1, len(sizes))
+  colors = ["#9ecae1", "#4292c6", "#08519c", "#08306b"]
+  for i, size in enumerate(sizes):
+    values = [size["rows"].get(n, {}).get("x_base", float("nan")) for n in names]
+    xs = [j + (i - (len(sizes) - 1) / 2) * width for j in range(len(names))]
+    bars = ax.bar(xs, values, width, label=f"{size['label']} params", color=colors[i % 4])
+    for bar, value in zip(bars, values, strict=True):
+      if not math.isnan(value):
+        ax.annotate(
+          f"{value:.1f}",
+          (bar.get_x() + bar.get_width() / 2, value),
+          ha="center",
+          va="bottom",
+          fontsize=7,
+        )
+  ax.axhline(1.0, color="black", linewidth=0.8)
+  ax.axhline(30 / 28, color="gray", linestyle="--", linewidth=0.8, label="bandwidth floor 30/28")
+  ax.set_xticks(range(len(names)))
+  ax.set_xticklabels([TICKS.get(n, n) for n in names], fontsize=8)
+  ax.set_ylabel(f"step time / {BASELINE} (lower is better)")
+  machine = results["machine"]
+  ax.set_title(
+    f"Adam optimizer step time over plain FP32 Adam's - {machine['cpu']}, "
+    f"{machine['cores']} cores, jax {machine['jax']}, {machine['date']}",
+    fontsize=9,
+  )
+  ax.legend(fontsize=8)
+  ax.grid(axis="y", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return True
