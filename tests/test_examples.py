@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import cli_output
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -31,13 +32,7 @@ def run_quickstart(*args: str, smoke: bool) -> subprocess.CompletedProcess[str]:
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
-  """The table's rows keyed by mode name, each split into its other cells."""
-  rows = {}
-  for line in stdout.splitlines():
-    for mode in MODES:
-      if line.startswith(mode + " "):
-        rows[mode] = line[len(mode) :].split()
-  return rows
+  return cli_output.table_rows(stdout, MODES)
 
 
 def test_quickstart_smoke_prints_table():
