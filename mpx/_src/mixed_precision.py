@@ -87,14 +87,6 @@ def _seeding_masters(sources: _MasterSources) -> Iterator[None]:
     _MASTER_SOURCES.reset(token)
 
 
-def _describe(x: Any) -> str:
-  if _is_hole(x):
-    return "no master"
-  dtype = tree_lib.leaf_dtype(x)
-  shape = list(np.shape(x)) if dtype is not None else None
-  return f"{dtype}{shape}" if dtype is not None else type(x).__name__
-
-
 def _check_matches_state(masters: PyTree, params: PyTree, needs_master) -> None:
   """Trace-time check that ``params`` belong to the state holding ``masters``."""
   master_def = jax.tree.structure(masters, is_leaf=_is_hole)
@@ -111,7 +103,7 @@ def _check_matches_state(masters: PyTree, params: PyTree, needs_master) -> None:
     if _is_hole(master):
       if needs_master(param):
         raise ValueError(
-          f"mixed_precision: param {where!r} is {_describe(param)} but the state "
+          f"mixed_precision: param {where!r} is {base.describe(param)} but the state "
           "holds no master for it (the state was initialised on wider params). "
           "Re-initialise, or use mpx.init_from_full_precision to start "
           "low-precision training from full-precision weights."
