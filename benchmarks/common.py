@@ -26,6 +26,11 @@ from typing import Any
 import jax
 import numpy as np
 
+try:
+  import resource  # POSIX: page-fault counts
+except ImportError:
+  resource = None
+
 PyTree = Any
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _RUNNING: list[Case] = []  # the case whose steps are running, if any
@@ -184,10 +189,14 @@ class Timings:
     seconds: per case, seconds per step of each timing window.
     relative: per case, one entry per round: its time over the mean of the
       baseline windows timed just before and just after it.
+    page_faults: per case, minor page faults per step of each window: memory
+      the process touched for the first time (XLA:CPU maps a step's scratch
+      buffers afresh on every call, so this counts scratch that is not reused).
   """
 
   seconds: dict[str, list[float]]
   relative: dict[str, list[float]]
+  page_faults: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
   def median_ms(self, name: str) -> float:
     return 1e3 * median(self.seconds.get(name, []))
@@ -214,15 +223,18 @@ def interleaved_times(
   rng = random.Random(seed)
   seconds: dict[str, list[float]] = {c.name: [] for c in (baseline, *cases)}
   relative: dict[str, list[float]] = {c.name: [] for c in (baseline, *cases)}
+  faults: dict[str, list[float]] = {c.name: [] for c in (baseline, *cases)}
 
   def timed(case: Case) -> float:
     case.wait()
     guard = "disallow" if case.host_syncs == 0 else "allow"
     with jax.transfer_guard(guard):
+      faults_before = _minor_page_faults()
       start = time.perf_counter()
       case.run(steps_per_round)
       case.wait()
       elapsed = (time.perf_counter() - start) / steps_per_round
+      faults[case.name].append((_minor_page_faults() - faults_before) / steps_per_round)
     seconds[case.name].append(elapsed)
     return elapsed
 
@@ -236,7 +248,22 @@ def interleaved_times(
       after = timed(baseline)
       relative[case.name].append(elapsed / (0.5 * (before + after)))
       before = after
-  return Timings(seconds, relative)
+  return Timings(seconds, relative, faults)
+
+
+def _minor_page_faults() -> int:
+  """This process's minor page faults so far (0 where the OS does not say)."""
+  if resource is None:
+    return 0
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def page_bytes() -> int:
+  """The size of a memory page (what one minor page fault maps)."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE")
+  except (AttributeError, ValueError, OSError):
+    return 4096
 
 
 def median(values: Sequence[float]) -> float:

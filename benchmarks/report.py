@@ -240,6 +240,7 @@ def optimizer_sections(results: dict[str, Any]) -> list[str]:
           str(p["in_branches"]),
           _f(p["temp_bytes"] / 2**20, ".0f"),
           _f(p["temp_bytes"] / big["n"], ".1f"),
+          _f(big["rows"].get(v["name"], {}).get("fresh_bpp"), ".1f"),
         ]
       )
     out.append(
@@ -250,7 +251,11 @@ def optimizer_sections(results: dict[str, Any]) -> list[str]:
       "buffer (a state leaf, or a scalar counter); *conditionals* are `lax.cond`s; "
       "*in branches* counts the "
       "instructions inside conditional branches; *temp* is "
-      "`memory_analysis().temp_size_in_bytes`, scratch beyond the donated buffers."
+      "`memory_analysis().temp_size_in_bytes`, scratch beyond the donated buffers; "
+      "*fresh B/param* is memory touched for the first time per step (minor page "
+      "faults while the step ran, times the page size): XLA:CPU maps its scratch "
+      "afresh on every call, and the kernel zeroes each new page, so scratch costs "
+      "far more than the bytes it holds."
     )
     out.append(
       table(
@@ -263,6 +268,7 @@ def optimizer_sections(results: dict[str, Any]) -> list[str]:
           "in branches",
           "temp MiB",
           "temp B/param",
+          "fresh B/param",
         ],
         rows,
       )
@@ -407,9 +413,20 @@ def explanation(results: dict[str, Any]) -> str:
       ": its conditional returns float32 updates, which `optax.apply_updates` reads "
       "back outside it, where the hand step applies them inside the same branch."
       if _temp(profile, MPX_FP16) >= 4 * big["n"] > _temp(profile, "hand + cond")
-      else "."
+      else ": the same structure (a cond over the state, updates derived after it "
+      "from the new masters and fused into `optax.apply_updates`), plus the "
+      "unscaling, the saturating rounding and the loss-scale update."
     ),
   ]
+  fresh = {name: row.get("fresh_bpp") for name, row in r.items()}
+  if fresh.get("hand + select") is not None and fresh.get(MPX_FP16) is not None:
+    lines.append(
+      f"- scratch is dear on XLA:CPU: it maps a step's scratch afresh on every call "
+      f"and the kernel zeroes each new page. *hand + select* touches "
+      f"{fresh['hand + select']:.1f} fresh bytes per parameter per step (its copies of "
+      f"the state), mpx fp16 {fresh[MPX_FP16]:.1f}, the hand step "
+      f"{fresh.get(HAND) or 0:.1f}."
+    )
   if check_mpx and check_sum and check_leaf and copy:
 
     def check(c: dict[str, Any]) -> str:

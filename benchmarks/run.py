@@ -201,6 +201,7 @@ def optimizer_size(
       "compiles": case.compiles,
       "traces": case.traces,
       "times_ms": [1e3 * t for t in times.seconds[case.name]],
+      "fresh_bpp": common.median(times.page_faults.get(case.name, [])) * common.page_bytes() / n,
     }
     rows[variant.name]["roof_pct"] = 100 / rows[variant.name]["floor_x"]
     if variant.kind == "mpx":

@@ -8,6 +8,7 @@ in the state: it cannot be lost by ``jit``, ``tree_map`` or a checkpoint.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, NamedTuple
@@ -16,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpx._src import base, finite_grads, skip_step, state_search
+from mpx._src import base, skip_step, state_search
 from mpx._src import tree as tree_lib
+from mpx._src import verdict as verdict_lib
 from mpx._src.base import check_transformation
 
 PyTree = Any
@@ -87,13 +89,75 @@ def _any_nonfinite_across(finite: jax.Array, axis_name: Any) -> jax.Array:
   return jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
 
+def _inverse(scale: jax.Array) -> jax.Array:
+  """``1 / scale`` in float32: unscaling multiplies by it (exact for powers of two)."""
+  return (1.0 / scale).astype(jnp.float32)
+
+
+def _unscale_leaf(grad: Any, inv_scale: jax.Array) -> Any:
+  return grad.astype(jnp.float32) * inv_scale if tree_lib.is_floating(grad) else grad
+
+
+def _unscale_with(grads: PyTree, inv_scale: jax.Array) -> PyTree:
+  return jax.tree.map(lambda g: _unscale_leaf(g, inv_scale), grads)
+
+
 def _unscale(grads: PyTree, scale: jax.Array) -> PyTree:
-  """Floating leaves to float32, divided by ``scale`` (a reciprocal multiply,
-  exact for power-of-two scales); other leaves untouched."""
-  inv_scale = (1.0 / scale).astype(jnp.float32)
-  return jax.tree.map(
-    lambda g: g.astype(jnp.float32) * inv_scale if tree_lib.is_floating(g) else g, grads
+  """Floating leaves to float32, divided by ``scale``; other leaves untouched."""
+  return _unscale_with(grads, _inverse(scale))
+
+
+def _skips_itself(inner_state: optax.OptState) -> bool:
+  """Whether ``inner_state`` holds a transformation that takes over the skip
+  decision (see :mod:`mpx._src.verdict`)."""
+  # Imported here: mixed_precision imports this module for LossScaleState.
+  from mpx._src.mixed_precision import MixedPrecisionState
+
+  return bool(state_search.find_states(inner_state, MixedPrecisionState))
+
+
+def _update_handing_over(
+  inner: optax.GradientTransformationExtraArgs,
+  finite: jax.Array,
+  inv_scale: jax.Array,
+  raw_grads: PyTree,
+  inner_state: optax.OptState,
+  params: PyTree,
+  extra_args: dict[str, Any],
+) -> tuple[PyTree, optax.OptState]:
+  """Runs ``inner`` with the skip decision handed over to the
+  ``mixed_precision`` inside it, then protects what it did not guard.
+
+  Every state leaf the nested transformations neither left untouched nor
+  guarded is selected back to its old value on a skipped step, and every
+  unguarded update is zeroed: the same result as a ``lax.cond`` around the
+  whole update, without returning the updates from inside a cond.
+  """
+  grads = _unscale_with(raw_grads, inv_scale)
+  rebuild = functools.partial(_unscale_leaf, inv_scale=inv_scale)
+  verdict = verdict_lib.Verdict(
+    finite=finite,
+    sources={
+      id(g): (g, raw, rebuild)
+      for g, raw in zip(jax.tree.leaves(grads), jax.tree.leaves(raw_grads), strict=True)
+    },
   )
+  with verdict_lib.published(verdict):
+    updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
+  base.check_state_types_kept("loss_scale", new_inner, inner_state)
+
+  def protect_state(new, old):
+    if new is old or verdict.is_guarded(new):
+      return new
+    return jnp.where(finite, new, old)
+
+  def protect_update(update):
+    if verdict.is_guarded(update):
+      return update
+    return jnp.where(finite, update, jnp.zeros_like(update))
+
+  new_inner = jax.tree.map(protect_state, new_inner, inner_state)
+  return jax.tree.map(protect_update, updates), new_inner
 
 
 def _scaling_transformation(
@@ -134,20 +198,30 @@ def _scaling_transformation(
         "loss_scale", state.inner_state, jax.eval_shape(inner.init, params), "inner_state/"
       )
     scale = state.loss_scale
-    # Unscale with the scale this step's loss was multiplied by, not the next,
-    # inside the step, fused into the inner update. With scales >= 1 unscaling
-    # cannot overflow, so the check reads the raw gradients (no float32 copy).
+    # With scales >= 1 unscaling cannot overflow, so the check reads the raw
+    # gradients (no float32 copy).
     checked = updates if min_scale >= 1.0 else _unscale(updates, scale)
     finite = _any_nonfinite_across(tree_lib.all_finite(checked), axis_name)
+    # Unscale with the scale this step's loss was multiplied by, not the next.
+    inv_scale = _inverse(scale)
 
-    def step(updates, inner_state, params):
-      grads = _unscale(updates, scale)
-      with finite_grads.checked_finite(grads):
-        return inner.update(grads, inner_state, params, **extra_args)
+    if _skips_itself(state.inner_state):
+      out_updates, new_inner = _update_handing_over(
+        inner, finite, inv_scale, updates, state.inner_state, params, extra_args
+      )
+    else:
 
-    out_updates, new_inner = skip_step.unless_finite(
-      "loss_scale", finite, step, (updates, state.inner_state, params), keep=lambda ops: (ops[1],)
-    )
+      def step(updates, inner_state, params):
+        # Unscaled inside the step, so the float32 copy fuses into the update.
+        return inner.update(_unscale_with(updates, inv_scale), inner_state, params, **extra_args)
+
+      out_updates, new_inner = skip_step.unless_finite(
+        "loss_scale",
+        finite,
+        step,
+        (updates, state.inner_state, params),
+        keep=lambda ops: (ops[1],),
+      )
 
     grown = state.growth_tracker + 1 >= growth_interval
     streak = jnp.where(finite, 0, state.overflow_streak + 1)

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import base, finite_grads, skip_step, state_search
+from mpx._src import base, skip_step, state_search
 from mpx._src import tree as tree_lib
+from mpx._src import verdict as verdict_lib
 from mpx._src.base import check_transformation
 from mpx._src.loss_scale import LossScaleState
 
@@ -113,6 +114,33 @@ def _check_matches_state(masters: PyTree, params: PyTree, needs_master) -> None:
         f"mixed_precision: param {where!r} has shape {list(np.shape(param))} but "
         f"its master has shape {list(np.shape(master))}."
       )
+
+
+def _finite_flag(flat_grads: list[Any], outer: verdict_lib.Verdict | None, dtype: Any) -> Any:
+  """Whether to apply the step: the enclosing verdict, if any, and a check of
+  every gradient leaf it was not made on."""
+  unchecked = [g for g in flat_grads if outer is None or not outer.covers(g)]
+  # A gradient wider than the masters may overflow when cast: check it cast.
+  unchecked = [
+    g.astype(dtype)
+    if tree_lib.is_floating(g) and jnp.finfo(tree_lib.leaf_dtype(g)).bits > jnp.finfo(dtype).bits
+    else g
+    for g in unchecked
+  ]
+  flags = [] if outer is None else [outer.finite]
+  if unchecked:
+    flags.append(tree_lib.all_finite(unchecked))
+  return flags[0] if len(flags) == 1 else jnp.logical_and(*flags)
+
+
+def _update_to(new_master: jax.Array, param: Any, finite: jax.Array, dtype: Any) -> jax.Array:
+  """The update that moves ``param`` onto ``new_master`` rounded to its dtype
+  (saturating), zero on a skipped step. Computed outside the cond from the
+  (in-place) new master, it fuses into ``optax.apply_updates``."""
+  param = jnp.asarray(param)
+  target = tree_lib.saturating_cast(new_master, param.dtype)
+  delta = target.astype(dtype) - param.astype(dtype)
+  return jnp.where(finite, delta, jnp.zeros_like(delta))
 
 
 def mixed_precision(
@@ -223,46 +251,64 @@ def mixed_precision(
     _check_matches_state(masters, params, needs_master)
     base.check_state_like("mixed_precision", state, jax.eval_shape(init_fn, params))
     base.check_grads_match_params("mixed_precision", updates, params)
-    checked = finite_grads.known_finite(updates)
 
-    def to_master_dtype(grads):
-      return jax.tree.map(
-        lambda m, g: g if _is_hole(m) else g.astype(dtype), masters, grads, is_leaf=_is_hole
-      )
+    # Flattened with holes as leaves, masters, params and grads align leaf for leaf.
+    flat_masters, treedef = jax.tree.flatten(masters, is_leaf=_is_hole)
+    flat_params = treedef.flatten_up_to(params)
+    flat_grads = treedef.flatten_up_to(updates)
+    outer = verdict_lib.enclosing()
+    finite = _finite_flag(flat_grads, outer, dtype)
 
-    def step(grads, inner_state, masters, params):
-      # Cast inside the step, so the float32 copy of the gradients fuses into
-      # the update instead of being written out before it.
-      grads = to_master_dtype(grads)
-      view = _master_view(masters, params)
-      inner_updates, new_inner = inner.update(grads, inner_state, view, **extra_args)
-      # Flattened with holes as leaves, the three trees align leaf for leaf.
-      flat_masters, treedef = jax.tree.flatten(masters, is_leaf=_is_hole)
+    # Grads that an enclosing loss_scale unscaled are rebuilt from the raw ones
+    # inside the branch, so that the unscaling fuses into the update instead of
+    # entering the cond as a materialised float32 copy.
+    sources = [None if outer is None else outer.source(g) for g in flat_grads]
+    operand_grads = [
+      g if src is None else src[0] for g, src in zip(flat_grads, sources, strict=True)
+    ]
+
+    def step(operand_grads, inner_state, flat_masters):
+      grads = [
+        g if src is None else src[1](g) for g, src in zip(operand_grads, sources, strict=True)
+      ]
+      # Cast inside the step, so the copy in the master dtype fuses into the update.
+      grads = [
+        g if _is_hole(m) else g.astype(dtype) for g, m in zip(grads, flat_masters, strict=True)
+      ]
+      view = [p if _is_hole(m) else m for m, p in zip(flat_masters, flat_params, strict=True)]
+      with verdict_lib.published(None):  # nothing inside answers to an outer loss_scale
+        inner_updates, new_inner = inner.update(
+          treedef.unflatten(grads), inner_state, treedef.unflatten(view), **extra_args
+        )
       flat_updates = treedef.flatten_up_to(inner_updates)
-      flat_params = treedef.flatten_up_to(params)
-      new_flat_masters, flat_out = [], []
-      for master, update, param in zip(flat_masters, flat_updates, flat_params, strict=True):
-        if _is_hole(master):
-          new_flat_masters.append(master)
-          flat_out.append(update)
-          continue
-        new_master = (master + update).astype(dtype)
-        param = jnp.asarray(param)
-        target = tree_lib.saturating_cast(new_master, param.dtype)
-        new_flat_masters.append(new_master)
-        flat_out.append(target.astype(dtype) - param.astype(dtype))
-      return treedef.unflatten(flat_out), treedef.unflatten(new_flat_masters), new_inner
+      new_masters = [
+        m if _is_hole(m) else (m + u).astype(dtype)
+        for m, u in zip(flat_masters, flat_updates, strict=True)
+      ]
+      # Only the updates of leaves without a master leave the cond; the others
+      # are derived from the new masters below.
+      hole_updates = [u for m, u in zip(flat_masters, flat_updates, strict=True) if _is_hole(m)]
+      return hole_updates, new_masters, new_inner
 
-    operands = (updates, state.inner_state, masters, params)
-    if checked:  # an enclosing loss_scale skips the whole step already
-      out_updates, new_masters, new_inner = step(*operands)
-    else:
-      # Checked after the cast: a float64 gradient may overflow float32.
-      finite = tree_lib.all_finite(to_master_dtype(updates))
-      out_updates, new_masters, new_inner = skip_step.unless_finite(
-        "mixed_precision", finite, step, operands, keep=lambda ops: (ops[2], ops[1])
-      )
-    return out_updates, MixedPrecisionState(master_params=new_masters, inner_state=new_inner)
+    hole_updates, new_flat_masters, new_inner = skip_step.unless_finite(
+      "mixed_precision",
+      finite,
+      step,
+      (operand_grads, state.inner_state, flat_masters),
+      keep=lambda ops: (ops[2], ops[1]),
+    )
+    hole_updates = iter(hole_updates)
+    flat_out = [
+      next(hole_updates) if _is_hole(m) else _update_to(m, p, finite, dtype)
+      for m, p in zip(new_flat_masters, flat_params, strict=True)
+    ]
+    out_updates = treedef.unflatten(flat_out)
+    new_state = MixedPrecisionState(
+      master_params=treedef.unflatten(new_flat_masters), inner_state=new_inner
+    )
+    if outer is not None:
+      outer.guard((out_updates, new_state))
+    return out_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

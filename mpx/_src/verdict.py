@@ -15,8 +15,8 @@ unscaling fuses into the update), and computes the updates it returns after the
 cond, where they fuse into ``optax.apply_updates``. It records the leaves it
 made skip-safe in the verdict; ``loss_scale`` protects whatever else changed.
 
-Leaves are matched by identity, and only while the verdict (which holds them)
-is alive, so no id is reused.
+Leaves are matched by identity, and the verdict holds every leaf it records, so
+no id is reused while it is alive.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ class Verdict:
     sources: ``id(leaf) -> (leaf, raw, rebuild)`` for each gradient leaf passed
       down, where ``rebuild(raw)`` recomputes ``leaf`` (the unscaling) inside
       another trace scope, such as a ``lax.cond`` branch.
-    guarded: ids of state and update leaves whose skip a nested transformation
-      already handled (unchanged state, zero updates on a skipped step).
+    guarded: ``id(leaf) -> leaf`` for the state and update leaves whose skip a
+      nested transformation already handled (unchanged state, zero updates on
+      a skipped step); holding the leaves keeps their ids from being reused.
   """
 
   finite: jax.Array
   sources: dict[int, tuple[Any, Any, Callable[[Any], Any]]]
-  guarded: set[int] = dataclasses.field(default_factory=set)
+  guarded: dict[int, Any] = dataclasses.field(default_factory=dict)
 
   def covers(self, leaf: Any) -> bool:
     """Whether ``leaf`` is one of the gradient leaves this verdict was made on."""
@@ -58,7 +59,7 @@ class Verdict:
 
   def guard(self, tree: Any) -> None:
     """Records that the leaves of ``tree`` are skip-safe under this verdict."""
-    self.guarded.update(id(leaf) for leaf in jax.tree.leaves(tree))
+    self.guarded.update((id(leaf), leaf) for leaf in jax.tree.leaves(tree))
 
   def is_guarded(self, leaf: Any) -> bool:
     return id(leaf) in self.guarded

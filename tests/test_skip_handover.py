@@ -1,0 +1,178 @@
+"""``loss_scale`` hands its skip decision to the ``mixed_precision`` inside it.
+
+Whatever sits between or beside them (a clip before, a stateful rule after, a
+plain rule in another partition, ``MultiSteps``), a run with poisoned steps must
+equal, bit for bit, a run of the same transformation fed only the clean steps:
+the hand-over must protect every piece of state, not only the masters. And the
+hand-over must deliver what it is for: no float32 buffer of updates or
+gradients in the compiled step.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from treecheck import tree_equal
+
+import mpx
+from mpx._src import tree as tree_lib
+
+SCALE = 2.0**8
+
+
+def params_fp16():
+  rng = np.random.default_rng(0)
+  return {
+    "dense": jnp.asarray(0.3 * rng.standard_normal((16, 8)), jnp.float16),
+    "norm": jnp.ones(8, jnp.float32),
+    "out": jnp.asarray(0.3 * rng.standard_normal(8), jnp.float16),
+  }
+
+
+LABELS = {"dense": "low", "norm": "full", "out": "low"}
+
+TRANSFORMATIONS = {
+  "mixed_precision": lambda: mpx.mixed_precision(optax.adam(1e-2)),
+  "clip before": lambda: optax.chain(
+    optax.clip_by_global_norm(0.5), mpx.mixed_precision(optax.adam(1e-2))
+  ),
+  "stateful rule after": lambda: optax.chain(
+    mpx.mixed_precision(optax.adam(1e-2)), optax.trace(decay=0.5, accumulator_dtype=jnp.float32)
+  ),
+  "plain rule beside": lambda: optax.partition(
+    {"low": mpx.mixed_precision(optax.adam(1e-2)), "full": optax.adam(1e-2)}, LABELS
+  ),
+  "MultiSteps around": lambda: optax.MultiSteps(mpx.mixed_precision(optax.adam(1e-2)), 2),
+  "no mixed_precision": lambda: optax.sgd(1e-2, momentum=0.9, accumulator_dtype=jnp.float32),
+}
+
+
+def gradient_plan(steps, poisoned, seed=0):
+  """Scaled gradients per step; ``poisoned`` steps get an inf or NaN somewhere."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.tree.map(np.shape, params_fp16())
+  plan = []
+  for t in range(steps):
+    grads = {
+      k: (SCALE * 0.1 * rng.standard_normal(s)).astype(np.float32 if k == "norm" else np.float16)
+      for k, s in shapes.items()
+    }
+    if t in poisoned:
+      leaf = ["dense", "norm", "out"][t % 3]
+      flat = grads[leaf].reshape(-1)
+      flat[rng.integers(flat.size)] = [np.inf, np.nan, -np.inf][t % 3]
+    plan.append(jax.tree.map(jnp.asarray, grads))
+  return plan
+
+
+def run(tx, plan):
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+  params = params_fp16()
+  state = tx.init(params)
+  history = []
+  for grads in plan:
+    params, state, updates = step(params, state, grads)
+    history.append((params, state, updates))
+  return history
+
+
+def inner_of(state):
+  return state.inner_state  # everything but the (static) loss-scale counters
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMATIONS))
+def test_poisoned_steps_leave_every_state_as_if_never_fed(name):
+  tx = mpx.static_loss_scale(TRANSFORMATIONS[name](), SCALE)
+  steps, poisoned = 12, {2, 3, 7, 10}
+  plan = gradient_plan(steps, poisoned)
+  clean = [g for t, g in enumerate(plan) if t not in poisoned]
+  got, want = run(tx, plan), run(tx, clean)
+  taken = 0
+  for t in range(steps):
+    params, state, updates = got[t]
+    if t in poisoned:
+      assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates)), t
+      assert not bool(state.last_step_finite)
+    else:
+      taken += 1
+      assert bool(state.last_step_finite)
+    if taken:
+      ref_params, ref_state, _ = want[taken - 1]
+      assert tree_equal(params, ref_params), (name, t)
+      assert tree_equal(inner_of(state), inner_of(ref_state)), (name, t)
+  assert int(got[-1][1].skipped_steps) == len(poisoned)
+
+
+def test_the_verdict_reaches_a_mixed_precision_behind_a_clip():
+  # The clip rebuilds the gradients, so mixed_precision checks them itself as
+  # well; an overflow that only the clip creates is still caught by it.
+  tx = mpx.static_loss_scale(TRANSFORMATIONS["clip before"](), SCALE)
+  params = params_fp16()
+  state = tx.init(params)
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, jnp.inf, p.dtype), params)
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  assert tree_equal(new_state.inner_state, state.inner_state)
+
+
+def compiled_step(tx, params):
+  state = tx.init(params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+
+
+@pytest.mark.parametrize(
+  ("dtype", "make_tx"),
+  [
+    (jnp.float16, lambda: mpx.loss_scale(mpx.mixed_precision(optax.adam(1e-3)))),
+    (jnp.bfloat16, lambda: mpx.mixed_precision(optax.adam(1e-3))),
+  ],
+)
+def test_no_float32_buffer_of_updates_or_gradients_per_step(dtype, make_tx):
+  # Updates computed after the cond fuse into apply_updates, and unscaling
+  # fuses into the update inside it: the step's scratch memory holds at most a
+  # predicate per element (the finite check), never 4 bytes per parameter.
+  shapes = {"a": (256, 512), "b": (512, 256), "c": (512,)}
+  params = {k: jnp.ones(s, dtype) for k, s in shapes.items()}
+  n = sum(math.prod(s) for s in shapes.values())
+  temp = compiled_step(make_tx(), params).memory_analysis().temp_size_in_bytes
+  assert temp <= 1.1 * n, f"{temp / n:.2f} bytes of scratch per parameter"
+
+
+@pytest.mark.parametrize(
+  "shape", [(7,), (16 * 1024,), (16 * 1024 + 5,), (3, 16 * 1024 + 1), (1 << 19,), ((1 << 19) + 17,)]
+)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32, jnp.bfloat16])
+def test_cpu_finite_check_finds_every_position(shape, dtype, monkeypatch):
+  # On a single CPU device, all_finite ANDs blocks of a leaf, twice, and
+  # reduces the tails apart (bfloat16 is reduced whole): an inf or NaN at any
+  # boundary must be found.
+  monkeypatch.setattr(tree_lib, "_fold_on_this_backend", lambda: True)
+  size = math.prod(shape)
+  width = tree_lib._FOLD_WIDTH
+  block = size // width
+  inner = block // width
+  candidates = {0, 1, size - 1, size - 2, width * block, width * block - 1}
+  candidates |= {i * block for i in range(width)} | {i * block - 1 for i in range(1, width)}
+  candidates |= {i * inner for i in range(0, width * width, 37)}
+  candidates |= {width * inner - 1, width * inner, width * inner + 3}
+  check = jax.jit(lambda tree: mpx.all_finite(tree))  # a fresh trace, under the patch
+  clean = jnp.ones(shape, dtype)
+  folded = "slice" in str(jax.make_jaxpr(lambda x: mpx.all_finite(x))(clean))
+  assert folded == (size >= 16 * 1024 and dtype != jnp.bfloat16)
+  assert bool(check({"x": clean}))
+  for position in sorted(p for p in candidates if 0 <= p < size):
+    for bad in (np.inf, -np.inf, np.nan):
+      x = clean.reshape(-1).at[position].set(bad).reshape(shape)
+      assert not bool(check({"x": x, "y": jnp.ones(3)})), (position, bad)
