@@ -1,4 +1,35 @@
-"""Reading the tables the example scripts print."""
+"""Running the example scripts as a user would, and reading what they print."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(
+  script: str, *args: str, smoke: bool = True, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
+  """Runs ``examples/<script>`` in a subprocess from the repository root.
+
+  Without the test suite's 8 host devices (conftest.py) and, unless ``smoke``,
+  without ``MPX_SMOKE``: the environment a user runs it in.
+  """
+  env = {k: v for k, v in os.environ.items() if k not in ("MPX_SMOKE", "XLA_FLAGS")}
+  if smoke:
+    env["MPX_SMOKE"] = "1"
+  return subprocess.run(
+    [sys.executable, str(EXAMPLES / script), *args],
+    cwd=EXAMPLES.parent,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
 
 
 def table_rows(stdout: str, modes) -> dict[str, list[str]]:

@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
-import sys
 
 import cli_output
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEMO = ROOT / "examples" / "demo.py"
 MODES = ("fp32", "bf16+mpx", "fp16+mpx+scale", "bf16 no masters")
 # Cells after the mode name: params dtype, train loss, val loss, vs fp32,
 # tokens/s, state bytes per param, skipped steps, loss scale.
 DTYPE, TRAIN, VAL, GAP, TOKENS, STATE, SKIPPED, SCALE = range(8)
 
 
-def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-  full_env = {k: v for k, v in os.environ.items() if k not in ("MPX_SMOKE", "XLA_FLAGS")}
-  full_env.update(env or {})
-  return subprocess.run(
-    [sys.executable, str(DEMO), *args],
-    cwd=ROOT,
-    env=full_env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-    check=False,
-  )
+def run_demo(*args: str, smoke: bool = False) -> subprocess.CompletedProcess[str]:
+  return cli_output.run_example("demo.py", *args, smoke=smoke, timeout=900)
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
@@ -40,7 +26,7 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], pathlib.Path]:
   # MPX_SMOKE=1, as CI runs it; the plot goes to a folder that does not exist yet.
   png = tmp_path_factory.mktemp("demo") / "plots" / "demo.png"
-  return run_demo("--out", str(png), env={"MPX_SMOKE": "1"}), png
+  return run_demo("--out", str(png), smoke=True), png
 
 
 def test_smoke_run_exits_zero_and_writes_png(smoke):

@@ -9,29 +9,14 @@ and a few lines that show the feature the script is about.
 
 from __future__ import annotations
 
-import os
-import pathlib
 import re
 import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+import cli_output
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
-  # Without the test suite's 8 host devices (conftest.py): as a user runs it.
-  env = {k: v for k, v in os.environ.items() if k not in ("MPX_SMOKE", "XLA_FLAGS")}
-  env["MPX_SMOKE"] = "1"
-  return subprocess.run(
-    [sys.executable, str(EXAMPLES / name), *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
+  return cli_output.run_example(name, *args, timeout=300)
 
 
 def assert_all_checks_passed(result: subprocess.CompletedProcess[str]) -> list[str]:

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import pathlib
 import subprocess
-import sys
 
 import cli_output
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.py"
 MODES = ("fp32", "bf16+mpx", "fp16+mpx+scale", "bf16 no masters")
 
 
 def run_quickstart(*args: str, smoke: bool) -> subprocess.CompletedProcess[str]:
-  env = dict(os.environ)
-  env.pop("MPX_SMOKE", None)
-  if smoke:
-    env["MPX_SMOKE"] = "1"
-  return subprocess.run(
-    [sys.executable, str(QUICKSTART), *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
-  )
+  return cli_output.run_example("quickstart.py", *args, smoke=smoke)
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
