@@ -34,6 +34,22 @@ def params_fp16():
 
 LABELS = {"dense": "low", "norm": "full", "out": "low"}
 
+
+def keep_last_update() -> optax.GradientTransformation:
+  """Passes updates through and keeps the last one in its state, as
+  ``scale_by_optimistic_gradient`` and L-BFGS do: the very update objects
+  mixed_precision returns end up in another rule's state."""
+
+  def init(params):
+    return {"last": jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)}
+
+  def update(updates, state, params=None):
+    del state, params
+    return updates, {"last": updates}
+
+  return optax.GradientTransformation(init, update)
+
+
 TRANSFORMATIONS = {
   "mixed_precision": lambda: mpx.mixed_precision(optax.adam(1e-2)),
   "clip before": lambda: optax.chain(
@@ -41,6 +57,9 @@ TRANSFORMATIONS = {
   ),
   "stateful rule after": lambda: optax.chain(
     mpx.mixed_precision(optax.adam(1e-2)), optax.trace(decay=0.5, accumulator_dtype=jnp.float32)
+  ),
+  "rule keeping the last update": lambda: optax.chain(
+    mpx.mixed_precision(optax.adam(1e-2)), keep_last_update()
   ),
   "plain rule beside": lambda: optax.partition(
     {"low": mpx.mixed_precision(optax.adam(1e-2)), "full": optax.adam(1e-2)}, LABELS
@@ -120,6 +139,43 @@ def test_the_verdict_reaches_a_mixed_precision_behind_a_clip():
   updates, new_state = jax.jit(tx.update)(grads, state, params)
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
   assert tree_equal(new_state.inner_state, state.inner_state)
+
+
+def test_a_wide_finite_gradient_without_a_master_does_not_skip():
+  # float16 masters for float8 params; the float32 param has no master and is
+  # updated in float32, so 1e5 (beyond float16) is a fine gradient for it.
+  params = {"w": jnp.ones(2, jnp.float8_e4m3fn), "n": jnp.ones(2, jnp.float32)}
+  grads = {"w": jnp.full(2, 0.5, jnp.float32), "n": jnp.asarray([1e5, 1.0], jnp.float32)}
+  tx = mpx.mixed_precision(optax.sgd(1e-6), dtype=jnp.float16)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["n"], [-0.1, -1e-6], rtol=1e-6)
+
+
+@pytest.mark.parametrize("inner_first", [False, True])
+def test_a_gradient_that_overflows_narrow_masters_is_skipped(inner_first):
+  # loss_scale vouches for the unscaled float32 gradient, not for its cast to
+  # float16 masters: mixed_precision must check the cast itself, whether the
+  # gradient reaches it directly or behind another rule.
+  params = {"a": jnp.ones(2, jnp.float8_e4m3fn), "b": jnp.ones(2, jnp.float8_e4m3fn)}
+  grads = {"a": jnp.ones(2, jnp.float32), "b": jnp.asarray([1e5, 1.0], jnp.float32)}
+  mp = mpx.mixed_precision(optax.sgd(1e-6), dtype=jnp.float16)
+  inner = optax.chain(optax.masked(optax.scale(1.0), {"a": True, "b": False}), mp)
+  tx = mpx.static_loss_scale(inner if inner_first else mp, 1.0)
+  state = tx.init(params)
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+  assert all(not np.any(np.asarray(u, np.float32)) for u in jax.tree.leaves(updates))
+  assert tree_equal(mpx.master_params(new_state, params), mpx.master_params(state, params))
+
+
+def test_float64_gradients_that_overflow_float32_are_skipped():
+  with jax.enable_x64(True):
+    params = {"w": jnp.ones(2, jnp.float16)}
+    grads = {"w": jnp.asarray([1e39, 1.0], jnp.float64)}  # finite, beyond float32
+    tx = mpx.static_loss_scale(mpx.mixed_precision(optax.sgd(1e-3)), 2.0)
+    state = tx.init(params)
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    assert not np.any(np.asarray(updates["w"]))
+    assert int(new_state.skipped_steps) == 1
 
 
 def compiled_step(tx, params):

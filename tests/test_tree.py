@@ -89,3 +89,10 @@ def test_cast_tree_where_mask_tree_like_optax_masked():
 def test_cast_tree_rejects_non_floating_dtype(bad):
   with pytest.raises(ValueError, match="dtype must be a floating dtype"):
     mpx.cast_tree({"w": jnp.ones(2)}, bad)
+
+
+def test_all_finite_checks_host_values_without_narrowing_them():
+  # Made a jax array without x64, 1e300 would become inf.
+  assert bool(mpx.all_finite({"a": np.array([1e300]), "b": 1e300, "c": np.float64(-1e300)}))
+  assert not bool(mpx.all_finite({"a": np.array([1.0, np.nan]), "b": jnp.ones(2)}))
+  assert not bool(mpx.all_finite({"a": np.inf, "b": jnp.ones(2)}))

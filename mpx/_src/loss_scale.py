@@ -94,6 +94,10 @@ def _inverse(scale: jax.Array) -> jax.Array:
   return (1.0 / scale).astype(jnp.float32)
 
 
+def _bits(leaf: Any) -> int:
+  return jnp.finfo(tree_lib.leaf_dtype(leaf)).bits
+
+
 def _unscale_leaf(grad: Any, inv_scale: jax.Array) -> Any:
   return grad.astype(jnp.float32) * inv_scale if tree_lib.is_floating(grad) else grad
 
@@ -147,16 +151,17 @@ def _update_handing_over(
   base.check_state_types_kept("loss_scale", new_inner, inner_state)
 
   def protect_state(new, old):
-    if new is old or verdict.is_guarded(new):
+    if new is old or verdict.is_guarded_state(new):
       return new
     return jnp.where(finite, new, old)
 
   def protect_update(update):
-    if verdict.is_guarded(update):
+    if verdict.is_guarded_update(update):
       return update
     return jnp.where(finite, update, jnp.zeros_like(update))
 
-  new_inner = jax.tree.map(protect_state, new_inner, inner_state)
+  # A guarded state is taken whole: its subtree in the old state is passed along.
+  new_inner = jax.tree.map(protect_state, new_inner, inner_state, is_leaf=verdict.is_guarded_state)
   return jax.tree.map(protect_update, updates), new_inner
 
 
@@ -198,12 +203,19 @@ def _scaling_transformation(
         "loss_scale", state.inner_state, jax.eval_shape(inner.init, params), "inner_state/"
       )
     scale = state.loss_scale
-    # With scales >= 1 unscaling cannot overflow, so the check reads the raw
-    # gradients (no float32 copy).
-    checked = updates if min_scale >= 1.0 else _unscale(updates, scale)
-    finite = _any_nonfinite_across(tree_lib.all_finite(checked), axis_name)
     # Unscale with the scale this step's loss was multiplied by, not the next.
     inv_scale = _inverse(scale)
+
+    def to_check(grad):
+      # Unscaling by a scale >= 1 cannot overflow a gradient of at most 32
+      # bits, so the check reads it raw (no float32 copy); a float64 one may
+      # overflow float32, and a scale < 1 may overflow anything.
+      if min_scale >= 1.0 and tree_lib.is_floating(grad) and _bits(grad) <= 32:
+        return grad
+      return _unscale_leaf(grad, inv_scale)
+
+    checked = jax.tree.map(to_check, updates)
+    finite = _any_nonfinite_across(tree_lib.all_finite(checked), axis_name)
 
     if _skips_itself(state.inner_state):
       out_updates, new_inner = _update_handing_over(

@@ -116,20 +116,36 @@ def _check_matches_state(masters: PyTree, params: PyTree, needs_master) -> None:
       )
 
 
-def _finite_flag(flat_grads: list[Any], outer: verdict_lib.Verdict | None, dtype: Any) -> Any:
+def _finite_flag(
+  flat_grads: list[Any],
+  flat_masters: list[Any],
+  outer: verdict_lib.Verdict | None,
+  dtype: Any,
+) -> Any:
   """Whether to apply the step: the enclosing verdict, if any, and a check of
-  every gradient leaf it was not made on."""
-  unchecked = [g for g in flat_grads if outer is None or not outer.covers(g)]
-  # A gradient wider than the masters may overflow when cast: check it cast.
-  unchecked = [
-    g.astype(dtype)
-    if tree_lib.is_floating(g) and jnp.finfo(tree_lib.leaf_dtype(g)).bits > jnp.finfo(dtype).bits
-    else g
-    for g in unchecked
-  ]
+  every gradient leaf it does not vouch for.
+
+  A gradient with a master is checked as cast to ``dtype`` when it is wider
+  (a float64 gradient may overflow float32 masters, a float32 one float16
+  masters), even if the enclosing verdict covers it: that verdict was made
+  before the cast. Leaves without a master are never cast, so never checked cast.
+  """
+  to_check = []
+  for grad, master in zip(flat_grads, flat_masters, strict=True):
+    if not tree_lib.is_floating(grad):
+      continue
+    narrowed = (
+      not _is_hole(master) and jnp.finfo(tree_lib.leaf_dtype(grad)).bits > jnp.finfo(dtype).bits
+    )
+    if narrowed:
+      to_check.append(jnp.asarray(grad).astype(dtype))
+    elif outer is None or not outer.covers(grad):
+      to_check.append(grad)
   flags = [] if outer is None else [outer.finite]
-  if unchecked:
-    flags.append(tree_lib.all_finite(unchecked))
+  if to_check:
+    flags.append(tree_lib.all_finite(to_check))
+  if not flags:
+    return jnp.asarray(True)
   return flags[0] if len(flags) == 1 else jnp.logical_and(*flags)
 
 
@@ -257,7 +273,7 @@ def mixed_precision(
     flat_params = treedef.flatten_up_to(params)
     flat_grads = treedef.flatten_up_to(updates)
     outer = verdict_lib.enclosing()
-    finite = _finite_flag(flat_grads, outer, dtype)
+    finite = _finite_flag(flat_grads, flat_masters, outer, dtype)
 
     # Grads that an enclosing loss_scale unscaled are rebuilt from the raw ones
     # inside the branch, so that the unscaling fuses into the update instead of
@@ -307,7 +323,8 @@ def mixed_precision(
       master_params=treedef.unflatten(new_flat_masters), inner_state=new_inner
     )
     if outer is not None:
-      outer.guard((out_updates, new_state))
+      outer.guard_state(new_state)
+      outer.guard_updates(out_updates)
     return out_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -60,9 +60,14 @@ def all_finite(tree: PyTree) -> jax.Array:
     >>> bool(mpx.all_finite({"w": jnp.array([1.0, jnp.inf])}))
     False
   """
-  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_floating(x)]
-  if not leaves:
-    return jnp.asarray(True)
+  leaves = [x for x in jax.tree.leaves(tree) if is_floating(x)]
+  # Host values (numpy arrays, Python floats) are checked as they are: made a
+  # jax array, a float64 would first be narrowed to float32 (1e300 -> inf).
+  on_host = [x for x in leaves if isinstance(x, (np.ndarray, np.generic, float))]
+  host_finite = all(bool(np.isfinite(x).all()) for x in on_host)
+  leaves = [x for x in leaves if not isinstance(x, (np.ndarray, np.generic, float))]
+  if not leaves or not host_finite:
+    return jnp.asarray(host_finite)
   if not _fold_on_this_backend():
     return jnp.stack([_reduced_finite(x) for x in leaves]).all()
   # XLA:CPU computes on bfloat16 through float32: slicing a bfloat16 leaf into

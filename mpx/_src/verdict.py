@@ -12,11 +12,12 @@ one. A ``mixed_precision`` that receives those leaves skips its own state
 update on the flag with ``lax.cond`` (its masters and moments are then
 overwritten in place), rebuilds the unscaled gradients inside its branch (so
 unscaling fuses into the update), and computes the updates it returns after the
-cond, where they fuse into ``optax.apply_updates``. It records the leaves it
-made skip-safe in the verdict; ``loss_scale`` protects whatever else changed.
+cond, where they fuse into ``optax.apply_updates``. It records the state and
+the updates it made skip-safe in the verdict; ``loss_scale`` protects whatever
+else changed.
 
-Leaves are matched by identity, and the verdict holds every leaf it records, so
-no id is reused while it is alive.
+Objects are matched by identity, and the verdict holds every object it
+records, so no id is reused while it is alive.
 """
 
 from __future__ import annotations
@@ -39,14 +40,18 @@ class Verdict:
     sources: ``id(leaf) -> (leaf, raw, rebuild)`` for each gradient leaf passed
       down, where ``rebuild(raw)`` recomputes ``leaf`` (the unscaling) inside
       another trace scope, such as a ``lax.cond`` branch.
-    guarded: ``id(leaf) -> leaf`` for the state and update leaves whose skip a
-      nested transformation already handled (unchanged state, zero updates on
-      a skipped step); holding the leaves keeps their ids from being reused.
+    guarded_states: ``id(state) -> state`` for each whole state a nested
+      transformation returned unchanged on a skipped step. A whole state, not
+      its leaves: a leaf value may also be stored elsewhere (a rule that keeps
+      the last update), where it is not skip-safe.
+    guarded_updates: ``id(leaf) -> leaf`` for update leaves that are zero on a
+      skipped step (a value, so skip-safe wherever it goes).
   """
 
   finite: jax.Array
   sources: dict[int, tuple[Any, Any, Callable[[Any], Any]]]
-  guarded: dict[int, Any] = dataclasses.field(default_factory=dict)
+  guarded_states: dict[int, Any] = dataclasses.field(default_factory=dict)
+  guarded_updates: dict[int, Any] = dataclasses.field(default_factory=dict)
 
   def covers(self, leaf: Any) -> bool:
     """Whether ``leaf`` is one of the gradient leaves this verdict was made on."""
@@ -57,12 +62,19 @@ class Verdict:
     entry = self.sources.get(id(leaf))
     return None if entry is None else entry[1:]
 
-  def guard(self, tree: Any) -> None:
-    """Records that the leaves of ``tree`` are skip-safe under this verdict."""
-    self.guarded.update((id(leaf), leaf) for leaf in jax.tree.leaves(tree))
+  def guard_state(self, state: Any) -> None:
+    """Records that ``state`` (one object) is its old value on a skipped step."""
+    self.guarded_states[id(state)] = state
 
-  def is_guarded(self, leaf: Any) -> bool:
-    return id(leaf) in self.guarded
+  def guard_updates(self, updates: Any) -> None:
+    """Records that the leaves of ``updates`` are zero on a skipped step."""
+    self.guarded_updates.update((id(leaf), leaf) for leaf in jax.tree.leaves(updates))
+
+  def is_guarded_state(self, node: Any) -> bool:
+    return id(node) in self.guarded_states
+
+  def is_guarded_update(self, leaf: Any) -> bool:
+    return id(leaf) in self.guarded_updates
 
 
 _VERDICT: contextvars.ContextVar[Verdict | None] = contextvars.ContextVar(
