@@ -94,10 +94,6 @@ def _inverse(scale: jax.Array) -> jax.Array:
   return (1.0 / scale).astype(jnp.float32)
 
 
-def _bits(leaf: Any) -> int:
-  return jnp.finfo(tree_lib.leaf_dtype(leaf)).bits
-
-
 def _unscale_leaf(grad: Any, inv_scale: jax.Array) -> Any:
   return grad.astype(jnp.float32) * inv_scale if tree_lib.is_floating(grad) else grad
 
@@ -210,7 +206,7 @@ def _scaling_transformation(
       # Unscaling by a scale >= 1 cannot overflow a gradient of at most 32
       # bits, so the check reads it raw (no float32 copy); a float64 one may
       # overflow float32, and a scale < 1 may overflow anything.
-      if min_scale >= 1.0 and tree_lib.is_floating(grad) and _bits(grad) <= 32:
+      if min_scale >= 1.0 and tree_lib.is_floating(grad) and tree_lib.float_bits(grad) <= 32:
         return grad
       return _unscale_leaf(grad, inv_scale)
 

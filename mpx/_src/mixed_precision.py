@@ -134,19 +134,12 @@ def _finite_flag(
   for grad, master in zip(flat_grads, flat_masters, strict=True):
     if not tree_lib.is_floating(grad):
       continue
-    narrowed = (
-      not _is_hole(master) and jnp.finfo(tree_lib.leaf_dtype(grad)).bits > jnp.finfo(dtype).bits
-    )
-    if narrowed:
+    if not _is_hole(master) and tree_lib.float_bits(grad) > jnp.finfo(dtype).bits:
       to_check.append(jnp.asarray(grad).astype(dtype))
     elif outer is None or not outer.covers(grad):
       to_check.append(grad)
-  flags = [] if outer is None else [outer.finite]
-  if to_check:
-    flags.append(tree_lib.all_finite(to_check))
-  if not flags:
-    return jnp.asarray(True)
-  return flags[0] if len(flags) == 1 else jnp.logical_and(*flags)
+  finite = tree_lib.all_finite(to_check)  # True for an empty list
+  return finite if outer is None else jnp.logical_and(outer.finite, finite)
 
 
 def _update_to(new_master: jax.Array, param: Any, finite: jax.Array, dtype: Any) -> jax.Array:
@@ -224,7 +217,7 @@ def mixed_precision(
   master_bits = jnp.finfo(dtype).bits
 
   def needs_master(leaf: Any) -> bool:
-    return tree_lib.is_floating(leaf) and jnp.finfo(tree_lib.leaf_dtype(leaf)).bits < master_bits
+    return tree_lib.is_floating(leaf) and tree_lib.float_bits(leaf) < master_bits
 
   def init_fn(params: PyTree) -> MixedPrecisionState:
     # Checked here, not at construction: x64 may be switched on in between.

@@ -35,6 +35,11 @@ def is_floating(leaf: Any) -> bool:
   return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
+def float_bits(leaf: Any) -> int:
+  """The width in bits of a floating leaf's dtype (64 ... 8)."""
+  return jnp.finfo(leaf_dtype(leaf)).bits
+
+
 def path_str(path: tuple[Any, ...]) -> str:
   """Renders a pytree key path as ``"a/b/0"`` for predicates and messages."""
   return jax.tree_util.keystr(path, simple=True, separator="/")
@@ -63,9 +68,8 @@ def all_finite(tree: PyTree) -> jax.Array:
   leaves = [x for x in jax.tree.leaves(tree) if is_floating(x)]
   # Host values (numpy arrays, Python floats) are checked as they are: made a
   # jax array, a float64 would first be narrowed to float32 (1e300 -> inf).
-  on_host = [x for x in leaves if isinstance(x, (np.ndarray, np.generic, float))]
-  host_finite = all(bool(np.isfinite(x).all()) for x in on_host)
-  leaves = [x for x in leaves if not isinstance(x, (np.ndarray, np.generic, float))]
+  host_finite = all(bool(np.isfinite(x).all()) for x in leaves if _on_host(x))
+  leaves = [x for x in leaves if not _on_host(x)]
   if not leaves or not host_finite:
     return jnp.asarray(host_finite)
   if not _fold_on_this_backend():
@@ -76,6 +80,10 @@ def all_finite(tree: PyTree) -> jax.Array:
   return jnp.stack(
     [_reduced_finite(x) if x.dtype == jnp.bfloat16 else _folded_finite(x) for x in leaves]
   ).all()
+
+
+def _on_host(leaf: Any) -> bool:
+  return isinstance(leaf, (np.ndarray, np.generic, float))
 
 
 # A leaf is checked by folding when it has at least this many elements.
