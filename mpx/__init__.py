@@ -10,9 +10,9 @@ runs the wrapped rule on them; :func:`loss_scale` scales the loss, unscales the
 gradients in float32, skips non-finite steps and adapts the scale.
 """
 
+from mpx._src.finite import all_finite
 from mpx._src.hyperparams import adjust
 from mpx._src.loss_scale import (
-  LossScaleState,
   get_loss_scale,
   loss_scale,
   scale_loss,
@@ -20,13 +20,13 @@ from mpx._src.loss_scale import (
   unscale,
 )
 from mpx._src.mixed_precision import (
-  MixedPrecisionState,
   init_from_full_precision,
   master_params,
   mixed_precision,
 )
 from mpx._src.sharding import zero1_shardings
-from mpx._src.tree import all_finite, cast_tree, select_tree
+from mpx._src.states import LossScaleState, MixedPrecisionState
+from mpx._src.tree import cast_tree, select_tree
 
 __version__ = "0.1.0"
 

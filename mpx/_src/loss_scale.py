@@ -1,57 +1,141 @@
 """``loss_scale``: dynamic (or static) loss scaling with step skipping.
 
-The scale, its growth tracker and the skip counters live in the optimizer
-state, so the whole rule is pure, jit-compiled and host-sync free. The
-configuration (factors, interval, floor, cap) lives in the transformation, not
-in the state: it cannot be lost by ``jit``, ``tree_map`` or a checkpoint.
+One step, top to bottom (see docs/design.md): check the raw gradients, agree
+on the verdict across ``axis_name``, run the inner rule on the unscaled
+gradients only if they are finite, then move the scale by
+:meth:`ScaleRule.adjust`. The scale, its growth tracker and the skip counters
+live in the optimizer state, so the whole rule is pure, jit-compiled and
+host-sync free. The configuration (factors, interval, floor, cap) lives in the
+transformation, not in the state: it cannot be lost by ``jit``, ``tree_map``
+or a checkpoint.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from mpx._src import base, skip_step, state_search
+from mpx._src import skip, state_search, validation
 from mpx._src import tree as tree_lib
-from mpx._src import verdict as verdict_lib
-from mpx._src.base import check_transformation
-
-PyTree = Any
+from mpx._src.finite import all_finite
+from mpx._src.mixed_precision import MixedPrecisionTransformation
+from mpx._src.states import LossScaledGradients, LossScaleState, unscale_leaf
 
 DEFAULT_INIT_SCALE = 2.0**15
 DEFAULT_MIN_SCALE = 1.0
 DEFAULT_MAX_SCALE = 2.0**24
 
 
-class LossScaleState(NamedTuple):
-  """State of :func:`loss_scale` and :func:`static_loss_scale`.
+@dataclasses.dataclass(frozen=True)
+class ScaleRule:
+  """The validated settings of a loss scale, and the rule that moves it.
 
-  Attributes:
-    loss_scale: float32 scalar; multiply the loss by it before differentiating
-      (see :func:`mpx.scale_loss`). It is the scale the next gradients are
-      unscaled with.
-    growth_tracker: int32 count of consecutive finite steps since the last
-      growth or overflow.
-    overflow_streak: int32 count of consecutive non-finite steps (drives
-      ``hysteresis``).
-    skipped_steps: int32 total of steps skipped for non-finite gradients.
-    last_step_finite: bool, whether the last step's gradients were finite
-      (i.e. whether it was applied).
-    inner_state: the wrapped rule's state.
+  :meth:`adjust` is PyTorch's ``GradScaler`` rule (with Megatron's
+  ``hysteresis``) as a pure function of the state and the step's finite flag,
+  tested on its own against an independent reference (as jmp's
+  ``DynamicLossScale.adjust``). A static scale is the rule whose factors are 1.
+
+  Example:
+    >>> import jax.numpy as jnp, mpx
+    >>> from mpx._src.loss_scale import ScaleRule
+    >>> rule = ScaleRule.dynamic(init_scale=8.0, growth_interval=2)
+    >>> state = rule.initial_state(inner_state=())
+    >>> for finite in [True, True, False]:
+    ...   state = rule.adjust(state, jnp.asarray(finite))
+    ...   print(float(state.loss_scale), int(state.growth_tracker))
+    8.0 1
+    16.0 0
+    8.0 0
   """
 
-  loss_scale: jax.Array
-  growth_tracker: jax.Array
-  overflow_streak: jax.Array
-  skipped_steps: jax.Array
-  last_step_finite: jax.Array
-  inner_state: optax.OptState
+  init_scale: float
+  growth_factor: float
+  backoff_factor: float
+  growth_interval: int
+  min_scale: float
+  max_scale: float
+  hysteresis: int
+
+  @classmethod
+  def dynamic(
+    cls,
+    *,
+    init_scale: float = DEFAULT_INIT_SCALE,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    min_scale: float = DEFAULT_MIN_SCALE,
+    max_scale: float = DEFAULT_MAX_SCALE,
+    hysteresis: int = 1,
+  ) -> ScaleRule:
+    """Validates the settings of :func:`mpx.loss_scale`, naming a bad one."""
+    init_scale = _positive_finite("init_scale", init_scale)
+    min_scale = _positive_finite("min_scale", min_scale)
+    max_scale = _positive_finite("max_scale", max_scale)
+    growth_factor = _number("growth_factor", growth_factor)
+    if not (math.isfinite(growth_factor) and growth_factor > 1.0):
+      raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor}.")
+    backoff_factor = _number("backoff_factor", backoff_factor)
+    if not 0.0 < backoff_factor < 1.0:
+      raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}.")
+    growth_interval = _positive_int("growth_interval", growth_interval)
+    hysteresis = _positive_int("hysteresis", hysteresis)
+    if min_scale > init_scale:
+      raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init_scale}).")
+    if init_scale > max_scale:
+      raise ValueError(f"init_scale ({init_scale}) must be <= max_scale ({max_scale}).")
+    return cls(
+      init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis
+    )
+
+  @classmethod
+  def static(cls, scale: float) -> ScaleRule:
+    """A scale that never moves (factors 1, floor and cap at ``scale``)."""
+    scale = _positive_finite("scale", scale)
+    return cls(scale, 1.0, 1.0, 1, scale, scale, 1)
+
+  def initial_state(self, inner_state: optax.OptState) -> LossScaleState:
+    return LossScaleState(
+      loss_scale=jnp.asarray(self.init_scale, jnp.float32),
+      growth_tracker=jnp.zeros((), jnp.int32),
+      overflow_streak=jnp.zeros((), jnp.int32),
+      skipped_steps=jnp.zeros((), jnp.int32),
+      last_step_finite=jnp.asarray(True),
+      inner_state=inner_state,
+    )
+
+  def adjust(self, state: LossScaleState, finite: jax.Array) -> LossScaleState:
+    """The counters and scale after a step whose gradients were ``finite``.
+
+    A finite step counts towards growth; the ``growth_interval``-th in a row
+    multiplies the scale by ``growth_factor`` (capped at ``max_scale``) and
+    restarts the count. A non-finite step restarts the count and, once
+    ``hysteresis`` of them have come in a row, multiplies the scale by
+    ``backoff_factor`` (floored at ``min_scale``). ``inner_state`` is kept.
+    """
+    scale = state.loss_scale
+    grown = state.growth_tracker + 1 >= self.growth_interval
+    streak = jnp.where(finite, 0, state.overflow_streak + 1)
+    backoff = jnp.logical_not(finite) & (streak >= self.hysteresis)
+    new_scale = jnp.where(
+      finite & grown,
+      jnp.minimum(scale * self.growth_factor, self.max_scale),
+      jnp.where(backoff, jnp.maximum(scale * self.backoff_factor, self.min_scale), scale),
+    )
+    tracker = jnp.where(finite & jnp.logical_not(grown), state.growth_tracker + 1, 0)
+    return state._replace(
+      loss_scale=new_scale.astype(jnp.float32),
+      growth_tracker=tracker.astype(jnp.int32),
+      overflow_streak=streak.astype(jnp.int32),
+      skipped_steps=state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32),
+      last_step_finite=finite,
+    )
 
 
 def _number(name: str, value: Any) -> float:
@@ -82,110 +166,30 @@ def _positive_int(name: str, value: Any) -> int:
   return as_int
 
 
-def _any_nonfinite_across(finite: jax.Array, axis_name: Any) -> jax.Array:
-  """Reduces the finite flag over ``axis_name`` so every replica agrees."""
-  if axis_name is None:
-    return finite
-  return jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-
-
 def _inverse(scale: jax.Array) -> jax.Array:
   """``1 / scale`` in float32: unscaling multiplies by it (exact for powers of two)."""
   return (1.0 / scale).astype(jnp.float32)
 
 
-def _unscale_leaf(grad: Any, inv_scale: jax.Array) -> Any:
-  return grad.astype(jnp.float32) * inv_scale if tree_lib.is_floating(grad) else grad
+def _finite_across(finite: jax.Array, axis_name: Any) -> jax.Array:
+  """The finite flag, AND-ed over ``axis_name`` so every replica agrees."""
+  if axis_name is None:
+    return finite
+  return jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
 
-def _unscale_with(grads: PyTree, inv_scale: jax.Array) -> PyTree:
-  return jax.tree.map(lambda g: _unscale_leaf(g, inv_scale), grads)
-
-
-def _unscale(grads: PyTree, scale: jax.Array) -> PyTree:
-  """Floating leaves to float32, divided by ``scale``; other leaves untouched."""
-  return _unscale_with(grads, _inverse(scale))
-
-
-def _skips_itself(inner_state: optax.OptState) -> bool:
-  """Whether ``inner_state`` holds a transformation that takes over the skip
-  decision (see :mod:`mpx._src.verdict`)."""
-  # Imported here: mixed_precision imports this module for LossScaleState.
-  from mpx._src.mixed_precision import MixedPrecisionState
-
-  return bool(state_search.find_states(inner_state, MixedPrecisionState))
-
-
-def _update_handing_over(
-  inner: optax.GradientTransformationExtraArgs,
-  finite: jax.Array,
-  inv_scale: jax.Array,
-  raw_grads: PyTree,
-  inner_state: optax.OptState,
-  params: PyTree,
-  extra_args: dict[str, Any],
-) -> tuple[PyTree, optax.OptState]:
-  """Runs ``inner`` with the skip decision handed over to the
-  ``mixed_precision`` inside it, then protects what it did not guard.
-
-  Every state leaf the nested transformations neither left untouched nor
-  guarded is selected back to its old value on a skipped step, and every
-  unguarded update is zeroed: the same result as a ``lax.cond`` around the
-  whole update, without returning the updates from inside a cond.
-  """
-  grads = _unscale_with(raw_grads, inv_scale)
-  rebuild = functools.partial(_unscale_leaf, inv_scale=inv_scale)
-  verdict = verdict_lib.Verdict(
-    finite=finite,
-    sources={
-      id(g): (g, raw, rebuild)
-      for g, raw in zip(jax.tree.leaves(grads), jax.tree.leaves(raw_grads), strict=True)
-    },
-  )
-  with verdict_lib.published(verdict):
-    updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
-  base.check_state_types_kept("loss_scale", new_inner, inner_state)
-
-  def protect_state(new, old):
-    if new is old or verdict.is_guarded_state(new):
-      return new
-    return jnp.where(finite, new, old)
-
-  def protect_update(update):
-    if verdict.is_guarded_update(update):
-      return update
-    return jnp.where(finite, update, jnp.zeros_like(update))
-
-  # A guarded state is taken whole: its subtree in the old state is passed along.
-  new_inner = jax.tree.map(protect_state, new_inner, inner_state, is_leaf=verdict.is_guarded_state)
-  return jax.tree.map(protect_update, updates), new_inner
-
-
-def _scaling_transformation(
-  inner: optax.GradientTransformation,
-  *,
-  init_scale: float,
-  growth_factor: float,
-  backoff_factor: float,
-  growth_interval: int,
-  min_scale: float,
-  max_scale: float,
-  hysteresis: int,
-  axis_name: Any,
+def _loss_scaling(
+  inner: optax.GradientTransformation, rule: ScaleRule, axis_name: Any
 ) -> optax.GradientTransformationExtraArgs:
-  """Shared implementation; a static scale is growth_factor = backoff = 1."""
-  check_transformation(inner)
+  """The transformation behind :func:`loss_scale` and :func:`static_loss_scale`."""
+  validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
+  # Paired at construction: only a mixed_precision given directly as `inner`
+  # receives the raw gradients with the hand-over (docs/design.md).
+  hands_over = isinstance(inner, MixedPrecisionTransformation)
 
-  def init_fn(params: PyTree) -> LossScaleState:
-    return LossScaleState(
-      loss_scale=jnp.asarray(init_scale, jnp.float32),
-      growth_tracker=jnp.zeros((), jnp.int32),
-      overflow_streak=jnp.zeros((), jnp.int32),
-      skipped_steps=jnp.zeros((), jnp.int32),
-      last_step_finite=jnp.asarray(True),
-      inner_state=inner.init(params),
-    )
+  def init_fn(params: optax.Params) -> LossScaleState:
+    return rule.initial_state(inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, LossScaleState):
@@ -194,62 +198,45 @@ def _scaling_transformation(
         "LossScaleState: pass the state made by this transformation's init."
       )
     if params is not None:
-      base.check_grads_match_params("loss_scale", updates, params)
-      base.check_state_like(
-        "loss_scale", state.inner_state, jax.eval_shape(inner.init, params), "inner_state/"
-      )
-    scale = state.loss_scale
-    # Unscale with the scale this step's loss was multiplied by, not the next.
-    inv_scale = _inverse(scale)
-
-    def to_check(grad):
-      # Unscaling by a scale >= 1 cannot overflow a gradient of at most 32
-      # bits, so the check reads it raw (no float32 copy); a float64 one may
-      # overflow float32, and a scale < 1 may overflow anything.
-      if min_scale >= 1.0 and tree_lib.is_floating(grad) and tree_lib.float_bits(grad) <= 32:
-        return grad
-      return _unscale_leaf(grad, inv_scale)
-
-    checked = jax.tree.map(to_check, updates)
-    finite = _any_nonfinite_across(tree_lib.all_finite(checked), axis_name)
-
-    if _skips_itself(state.inner_state):
-      out_updates, new_inner = _update_handing_over(
-        inner, finite, inv_scale, updates, state.inner_state, params, extra_args
+      validation.check_grads_match_params("loss_scale", updates, params)
+    inverse_scale = _inverse(state.loss_scale)  # the scale this step's loss was multiplied by
+    finite = _finite_across(all_finite(_to_check(updates, inverse_scale, rule)), axis_name)
+    if hands_over:
+      handover = LossScaledGradients(inverse_scale=inverse_scale, finite=finite)
+      new_updates, new_inner = inner.update(
+        updates, state.inner_state, params, loss_scaled=handover, **extra_args
       )
     else:
+      if params is not None:
+        expected = jax.eval_shape(inner.init, params)
+        validation.check_state_like("loss_scale", state.inner_state, expected, "inner_state/")
 
-      def step(updates, inner_state, params):
-        # Unscaled inside the step, so the float32 copy fuses into the update.
-        return inner.update(_unscale_with(updates, inv_scale), inner_state, params, **extra_args)
+      def step(inner_state, grads, params):
+        # Unscaled inside the cond, so the float32 copy fuses into the update.
+        grads = jax.tree.map(lambda g: unscale_leaf(g, inverse_scale), grads)
+        new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
+        validation.check_state_types_kept("loss_scale", new_inner, inner_state)
+        return new_inner, new_updates
 
-      out_updates, new_inner = skip_step.unless_finite(
-        "loss_scale",
-        finite,
-        step,
-        (updates, state.inner_state, params),
-        keep=lambda ops: (ops[1],),
+      new_inner, new_updates, _ = skip.apply_if_finite(
+        finite, step, state.inner_state, updates, params
       )
-
-    grown = state.growth_tracker + 1 >= growth_interval
-    streak = jnp.where(finite, 0, state.overflow_streak + 1)
-    backoff = jnp.logical_not(finite) & (streak >= hysteresis)
-    new_scale = jnp.where(
-      finite & grown,
-      jnp.minimum(scale * growth_factor, max_scale),
-      jnp.where(backoff, jnp.maximum(scale * backoff_factor, min_scale), scale),
-    ).astype(jnp.float32)
-    tracker = jnp.where(finite & jnp.logical_not(grown), state.growth_tracker + 1, 0)
-    return out_updates, LossScaleState(
-      loss_scale=new_scale,
-      growth_tracker=tracker.astype(jnp.int32),
-      overflow_streak=streak.astype(jnp.int32),
-      skipped_steps=state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32),
-      last_step_finite=finite,
-      inner_state=new_inner,
-    )
+    return new_updates, rule.adjust(state, finite)._replace(inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _to_check(grads: tree_lib.PyTree, inverse_scale: jax.Array, rule: ScaleRule) -> Any:
+  """What the finite check reads: the raw gradients where unscaling cannot
+  overflow them (a scale >= 1 and at most 32 bits), else the unscaled ones (a
+  float64 gradient may overflow float32, and a scale < 1 may overflow anything)."""
+
+  def leaf(grad):
+    if rule.min_scale >= 1.0 and tree_lib.is_floating(grad) and tree_lib.float_bits(grad) <= 32:
+      return grad
+    return unscale_leaf(grad, inverse_scale)
+
+  return jax.tree.map(leaf, grads)
 
 
 def loss_scale(
@@ -332,23 +319,7 @@ def loss_scale(
     >>> optax.apply_updates(params, updates)["w"].tolist()  # 1 - 0.1 * 2, in fp16
     [0.7998046875, 0.7998046875, 0.7998046875]
   """
-  init_scale = _positive_finite("init_scale", init_scale)
-  min_scale = _positive_finite("min_scale", min_scale)
-  max_scale = _positive_finite("max_scale", max_scale)
-  growth_factor = _number("growth_factor", growth_factor)
-  if not (math.isfinite(growth_factor) and growth_factor > 1.0):
-    raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor}.")
-  backoff_factor = _number("backoff_factor", backoff_factor)
-  if not 0.0 < backoff_factor < 1.0:
-    raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}.")
-  growth_interval = _positive_int("growth_interval", growth_interval)
-  hysteresis = _positive_int("hysteresis", hysteresis)
-  if min_scale > init_scale:
-    raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init_scale}).")
-  if init_scale > max_scale:
-    raise ValueError(f"init_scale ({init_scale}) must be <= max_scale ({max_scale}).")
-  return _scaling_transformation(
-    inner,
+  rule = ScaleRule.dynamic(
     init_scale=init_scale,
     growth_factor=growth_factor,
     backoff_factor=backoff_factor,
@@ -356,8 +327,8 @@ def loss_scale(
     min_scale=min_scale,
     max_scale=max_scale,
     hysteresis=hysteresis,
-    axis_name=axis_name,
   )
+  return _loss_scaling(inner, rule, axis_name)
 
 
 def static_loss_scale(
@@ -389,18 +360,7 @@ def static_loss_scale(
     >>> updates, int(state.skipped_steps), float(state.loss_scale)
     (Array([0., 0.], dtype=float32), 1, 128.0)
   """
-  scale = _positive_finite("scale", scale)
-  return _scaling_transformation(
-    inner,
-    init_scale=scale,
-    growth_factor=1.0,
-    backoff_factor=1.0,
-    growth_interval=1,
-    min_scale=scale,
-    max_scale=scale,
-    hysteresis=1,
-    axis_name=axis_name,
-  )
+  return _loss_scaling(inner, ScaleRule.static(scale), axis_name)
 
 
 def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
@@ -449,7 +409,7 @@ def scale_loss(loss: jax.typing.ArrayLike, opt_state: optax.OptState) -> jax.Arr
   return jnp.asarray(loss).astype(jnp.float32) * get_loss_scale(opt_state)
 
 
-def unscale(grads: PyTree, opt_state: optax.OptState) -> PyTree:
+def unscale(grads: tree_lib.PyTree, opt_state: optax.OptState) -> tree_lib.PyTree:
   """Divides scaled gradients by the loss scale, in float32.
 
   For gradients you use yourself (a gradient penalty, logging a gradient
@@ -462,4 +422,5 @@ def unscale(grads: PyTree, opt_state: optax.OptState) -> PyTree:
     >>> mpx.unscale({"w": jnp.array([8.0, 2.0], jnp.float16)}, state)
     {'w': Array([2. , 0.5], dtype=float32)}
   """
-  return _unscale(grads, get_loss_scale(opt_state))
+  inverse_scale = _inverse(get_loss_scale(opt_state))
+  return jax.tree.map(lambda g: unscale_leaf(g, inverse_scale), grads)

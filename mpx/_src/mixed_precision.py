@@ -5,157 +5,73 @@ initialised and updated on the *master view* of the parameters, i.e. a
 ``dtype`` master copy for every floating leaf narrower than ``dtype`` and the
 parameter itself for every other leaf. The updates returned move each
 low-precision parameter exactly onto its rounded master.
+
+One step, top to bottom (see docs/design.md): validate the inputs, align
+gradients, params and masters leaf by leaf, check the gradients, run the inner
+rule on the masters inside one ``lax.cond`` (masters and moments are then
+written in place), and derive the rounded updates after the cond, where they
+fuse into ``optax.apply_updates``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import base, skip_step, state_search
+from mpx._src import skip, state_search, validation
 from mpx._src import tree as tree_lib
-from mpx._src import verdict as verdict_lib
-from mpx._src.base import check_transformation
-from mpx._src.loss_scale import LossScaleState
-
-PyTree = Any
+from mpx._src.finite import all_finite
+from mpx._src.states import LossScaledGradients, LossScaleState, MixedPrecisionState
 
 
-class MixedPrecisionState(NamedTuple):
-  """State of :func:`mixed_precision`.
+class MixedPrecisionTransformation(optax.GradientTransformationExtraArgs):
+  """The ``optax.GradientTransformationExtraArgs`` that :func:`mixed_precision`
+  returns. Its type is how :func:`mpx.loss_scale` recognises, when it is built,
+  a ``mixed_precision`` it wraps directly, and hands it the raw gradients with
+  a :class:`~mpx._src.states.LossScaledGradients` (``update``'s
+  ``loss_scaled=`` keyword) instead of unscaling them itself."""
 
-  Attributes:
-    master_params: the parameter tree with a ``dtype`` master copy at every
-      floating leaf narrower than ``dtype`` and ``optax.MaskedNode()`` at every
-      other leaf (those are updated in place, with no copy). The masters are
-      the true weights; the low-precision parameters are their rounding.
-    inner_state: the wrapped rule's state, built on the master view, so all of
-      its floating leaves (Adam's moments, injected hyperparameters) are in
-      ``dtype`` or wider.
-  """
-
-  master_params: PyTree
-  inner_state: optax.OptState
+  __slots__ = ()
 
 
-def _is_hole(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
+@dataclasses.dataclass(frozen=True)
+class _Leaves:
+  """Gradients, params and masters of one step, aligned leaf for leaf (holes
+  included), with the structure to rebuild trees from lists."""
+
+  treedef: Any
+  grads: list[Any]
+  params: list[Any]
+  masters: list[Any]
+
+  @classmethod
+  def align(cls, grads: Any, params: Any, masters: Any) -> _Leaves:
+    masters_flat, treedef = jax.tree.flatten(masters, is_leaf=tree_lib.no_master)
+    return cls(treedef, treedef.flatten_up_to(grads), treedef.flatten_up_to(params), masters_flat)
+
+  def master_view(self, masters: list[Any]) -> Any:
+    """The masters where they exist, the params elsewhere, as a tree."""
+    return _master_view(self.treedef.unflatten(masters), self.treedef.unflatten(self.params))
 
 
-def _master_view(masters: PyTree, params: PyTree) -> PyTree:
-  """The masters where they exist, the parameters elsewhere."""
-  return jax.tree.map(lambda m, p: p if _is_hole(m) else m, masters, params, is_leaf=_is_hole)
-
-
-class _MasterSources:
-  """Full-precision values to seed masters from, keyed by the identity of the
-  low-precision leaf that ``init`` will receive (see ``init_from_full_precision``)."""
-
-  def __init__(self, pairs: list[tuple[Any, Any, str]]):
-    # Holding the low leaves keeps their ids from being reused meanwhile.
-    self._by_id = {id(low): (low, full, path) for low, full, path in pairs}
-    self._unused = set(self._by_id)
-
-  def take(self, leaf: Any) -> Any:
-    entry = self._by_id.get(id(leaf))
-    if entry is None:
-      return leaf
-    self._unused.discard(id(leaf))
-    return entry[1]
-
-  def unused_paths(self) -> list[str]:
-    return sorted(self._by_id[i][2] for i in self._unused)
-
-
-_MASTER_SOURCES: contextvars.ContextVar[_MasterSources | None] = contextvars.ContextVar(
-  "mpx_master_sources", default=None
-)
-
-
-@contextlib.contextmanager
-def _seeding_masters(sources: _MasterSources) -> Iterator[None]:
-  token = _MASTER_SOURCES.set(sources)
-  try:
-    yield
-  finally:
-    _MASTER_SOURCES.reset(token)
-
-
-def _check_matches_state(masters: PyTree, params: PyTree, needs_master) -> None:
-  """Trace-time check that ``params`` belong to the state holding ``masters``."""
-  master_def = jax.tree.structure(masters, is_leaf=_is_hole)
-  param_def = jax.tree.structure(params, is_leaf=_is_hole)
-  if master_def != param_def:
-    raise ValueError(
-      "mixed_precision: params do not match the optimizer state (was the state "
-      f"made by init on another tree?).\n  state: {master_def}\n  params: {param_def}"
-    )
-  flat_masters = jax.tree_util.tree_flatten_with_path(masters, is_leaf=_is_hole)[0]
-  flat_params = jax.tree.leaves(params, is_leaf=_is_hole)
-  for (path, master), param in zip(flat_masters, flat_params, strict=True):
-    where = tree_lib.path_str(path) or "<root>"
-    if _is_hole(master):
-      if needs_master(param):
-        raise ValueError(
-          f"mixed_precision: param {where!r} is {base.describe(param)} but the state "
-          "holds no master for it (the state was initialised on wider params). "
-          "Re-initialise, or use mpx.init_from_full_precision to start "
-          "low-precision training from full-precision weights."
-        )
-    elif np.shape(master) != np.shape(param):
-      raise ValueError(
-        f"mixed_precision: param {where!r} has shape {list(np.shape(param))} but "
-        f"its master has shape {list(np.shape(master))}."
-      )
-
-
-def _finite_flag(
-  flat_grads: list[Any],
-  flat_masters: list[Any],
-  outer: verdict_lib.Verdict | None,
-  dtype: Any,
-) -> Any:
-  """Whether to apply the step: the enclosing verdict, if any, and a check of
-  every gradient leaf it does not vouch for.
-
-  A gradient with a master is checked as cast to ``dtype`` when it is wider
-  (a float64 gradient may overflow float32 masters, a float32 one float16
-  masters), even if the enclosing verdict covers it: that verdict was made
-  before the cast. Leaves without a master are never cast, so never checked cast.
-  """
-  to_check = []
-  for grad, master in zip(flat_grads, flat_masters, strict=True):
-    if not tree_lib.is_floating(grad):
-      continue
-    if not _is_hole(master) and tree_lib.float_bits(grad) > jnp.finfo(dtype).bits:
-      to_check.append(jnp.asarray(grad).astype(dtype))
-    elif outer is None or not outer.covers(grad):
-      to_check.append(grad)
-  finite = tree_lib.all_finite(to_check)  # True for an empty list
-  return finite if outer is None else jnp.logical_and(outer.finite, finite)
-
-
-def _update_to(new_master: jax.Array, param: Any, finite: jax.Array, dtype: Any) -> jax.Array:
-  """The update that moves ``param`` onto ``new_master`` rounded to its dtype
-  (saturating), zero on a skipped step. Computed outside the cond from the
-  (in-place) new master, it fuses into ``optax.apply_updates``."""
-  param = jnp.asarray(param)
-  target = tree_lib.saturating_cast(new_master, param.dtype)
-  delta = target.astype(dtype) - param.astype(dtype)
-  return jnp.where(finite, delta, jnp.zeros_like(delta))
+def _master_view(masters: Any, params: Any) -> Any:
+  """The masters where they exist, the params elsewhere."""
+  return jax.tree.map(
+    lambda m, p: p if tree_lib.no_master(m) else m, masters, params, is_leaf=tree_lib.no_master
+  )
 
 
 def mixed_precision(
   inner: optax.GradientTransformation,
   dtype: jax.typing.DTypeLike = jnp.float32,
-) -> optax.GradientTransformationExtraArgs:
+) -> MixedPrecisionTransformation:
   """Keeps ``dtype`` master weights and runs ``inner`` on them.
 
   Every floating parameter narrower than ``dtype`` (bf16, fp16, fp8 with the
@@ -191,7 +107,8 @@ def mixed_precision(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`MixedPrecisionState`. Its ``update`` requires ``params`` and
-    forwards extra keyword arguments to ``inner``.
+    forwards extra keyword arguments to ``inner``; ``loss_scaled=`` is
+    reserved for the :func:`mpx.loss_scale` that wraps it.
 
   Raises:
     ValueError: if ``dtype`` is not a floating dtype.
@@ -212,28 +129,26 @@ def mixed_precision(
     (dtype(bfloat16), 0.99609375)
   """
   dtype = tree_lib.require_floating_dtype(dtype, "dtype")
-  check_transformation(inner)
+  validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
   master_bits = jnp.finfo(dtype).bits
 
   def needs_master(leaf: Any) -> bool:
     return tree_lib.is_floating(leaf) and tree_lib.float_bits(leaf) < master_bits
 
-  def init_fn(params: PyTree) -> MixedPrecisionState:
+  def init_fn(params: optax.Params) -> MixedPrecisionState:
     # Checked here, not at construction: x64 may be switched on in between.
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
       raise ValueError(
         f"mixed_precision: dtype {dtype} needs jax_enable_x64 (JAX would truncate "
         f"the masters to {jax.dtypes.canonicalize_dtype(dtype)})."
       )
-    sources = _MASTER_SOURCES.get()
+    seed = _master_seed()
 
     def make_master(leaf):
       if not needs_master(leaf):
         return optax.MaskedNode()
-      if sources is not None:
-        leaf = sources.take(leaf)
-      return jnp.asarray(leaf).astype(dtype)
+      return jnp.asarray(seed(leaf)).astype(dtype)
 
     masters = jax.tree.map(make_master, params)
     inner_state = inner.init(_master_view(masters, params))
@@ -245,85 +160,147 @@ def mixed_precision(
       )
     return MixedPrecisionState(master_params=masters, inner_state=inner_state)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError(
-        "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
-      )
-    if not isinstance(state, MixedPrecisionState):
-      raise TypeError(
-        "mixed_precision.update got a state of type "
-        f"{type(state).__name__}, not MixedPrecisionState: pass the state made "
-        "by this transformation's init."
-      )
-    masters = state.master_params
-    _check_matches_state(masters, params, needs_master)
-    base.check_state_like("mixed_precision", state, jax.eval_shape(init_fn, params))
-    base.check_grads_match_params("mixed_precision", updates, params)
-
-    # Flattened with holes as leaves, masters, params and grads align leaf for leaf.
-    flat_masters, treedef = jax.tree.flatten(masters, is_leaf=_is_hole)
-    flat_params = treedef.flatten_up_to(params)
-    flat_grads = treedef.flatten_up_to(updates)
-    outer = verdict_lib.enclosing()
-    finite = _finite_flag(flat_grads, flat_masters, outer, dtype)
-
-    # Grads that an enclosing loss_scale unscaled are rebuilt from the raw ones
-    # inside the branch, so that the unscaling fuses into the update instead of
-    # entering the cond as a materialised float32 copy.
-    sources = [None if outer is None else outer.source(g) for g in flat_grads]
-    operand_grads = [
-      g if src is None else src[0] for g, src in zip(flat_grads, sources, strict=True)
-    ]
-
-    def step(operand_grads, inner_state, flat_masters):
-      grads = [
-        g if src is None else src[1](g) for g, src in zip(operand_grads, sources, strict=True)
-      ]
-      # Cast inside the step, so the copy in the master dtype fuses into the update.
-      grads = [
-        g if _is_hole(m) else g.astype(dtype) for g, m in zip(grads, flat_masters, strict=True)
-      ]
-      view = [p if _is_hole(m) else m for m, p in zip(flat_masters, flat_params, strict=True)]
-      with verdict_lib.published(None):  # nothing inside answers to an outer loss_scale
-        inner_updates, new_inner = inner.update(
-          treedef.unflatten(grads), inner_state, treedef.unflatten(view), **extra_args
-        )
-      flat_updates = treedef.flatten_up_to(inner_updates)
-      new_masters = [
-        m if _is_hole(m) else (m + u).astype(dtype)
-        for m, u in zip(flat_masters, flat_updates, strict=True)
-      ]
-      # Only the updates of leaves without a master leave the cond; the others
-      # are derived from the new masters below.
-      hole_updates = [u for m, u in zip(flat_masters, flat_updates, strict=True) if _is_hole(m)]
-      return hole_updates, new_masters, new_inner
-
-    hole_updates, new_flat_masters, new_inner = skip_step.unless_finite(
-      "mixed_precision",
-      finite,
-      step,
-      (operand_grads, state.inner_state, flat_masters),
-      keep=lambda ops: (ops[2], ops[1]),
+  def update_fn(
+    updates: optax.Updates,
+    state: MixedPrecisionState,
+    params: optax.Params | None = None,
+    *,
+    loss_scaled: LossScaledGradients | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, MixedPrecisionState]:
+    # 1. Validate (at trace time: costs the step nothing).
+    _check_update_inputs(updates, state, params, needs_master, init_fn)
+    # 2. Align gradients, params and masters leaf by leaf.
+    leaves = _Leaves.align(updates, params, state.master_params)
+    # 3. Check: loss_scale's verdict if it handed one over, else the gradients.
+    finite = _step_is_finite(leaves, loss_scaled, dtype)
+    # 4. Step on the masters inside one cond: skipped, nothing is written.
+    step = _step_on_masters(inner, dtype, leaves, loss_scaled, extra_args)
+    (new_masters, new_inner), hole_updates, applied = skip.apply_if_finite(
+      finite, step, (leaves.masters, state.inner_state), leaves.grads
     )
+    # 5. Rounded updates, after the cond: they fuse into optax.apply_updates.
     hole_updates = iter(hole_updates)
-    flat_out = [
-      next(hole_updates) if _is_hole(m) else _update_to(m, p, finite, dtype)
-      for m, p in zip(new_flat_masters, flat_params, strict=True)
+    flat_updates = [
+      next(hole_updates) if tree_lib.no_master(m) else _rounded_update(m, p, applied, dtype)
+      for m, p in zip(new_masters, leaves.params, strict=True)
     ]
-    out_updates = treedef.unflatten(flat_out)
-    new_state = MixedPrecisionState(
-      master_params=treedef.unflatten(new_flat_masters), inner_state=new_inner
+    new_state = MixedPrecisionState(leaves.treedef.unflatten(new_masters), new_inner)
+    return leaves.treedef.unflatten(flat_updates), new_state
+
+  return MixedPrecisionTransformation(init_fn, update_fn)
+
+
+def _check_update_inputs(
+  grads: Any,
+  state: Any,
+  params: Any,
+  needs_master: Callable[[Any], bool],
+  init_fn: Callable[[Any], MixedPrecisionState],
+) -> None:
+  """Every input of ``update`` against the others, naming the leaf and the fix."""
+  if params is None:
+    raise ValueError(
+      "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
     )
-    if outer is not None:
-      outer.guard_state(new_state)
-      outer.guard_updates(out_updates)
-    return out_updates, new_state
+  if not isinstance(state, MixedPrecisionState):
+    raise TypeError(
+      "mixed_precision.update got a state of type "
+      f"{type(state).__name__}, not MixedPrecisionState: pass the state made "
+      "by this transformation's init."
+    )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def mismatch(masters_def, params_def):
+    return ValueError(
+      "mixed_precision: params do not match the optimizer state (was the state "
+      f"made by init on another tree?).\n  state: {masters_def}\n  params: {params_def}"
+    )
+
+  for path, master, param in validation.zip_leaves(state.master_params, params, mismatch):
+    if tree_lib.no_master(master) and needs_master(param):
+      raise ValueError(
+        f"mixed_precision: param {path!r} is {validation.describe(param)} but the state "
+        "holds no master for it (the state was initialised on wider params). "
+        "Re-initialise, or use mpx.init_from_full_precision to start "
+        "low-precision training from full-precision weights."
+      )
+    if not tree_lib.no_master(master) and np.shape(master) != np.shape(param):
+      raise ValueError(
+        f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but "
+        f"its master has shape {list(np.shape(master))}."
+      )
+  validation.check_state_like("mixed_precision", state, jax.eval_shape(init_fn, params))
+  validation.check_grads_match_params("mixed_precision", grads, params)
 
 
-def master_params(opt_state: optax.OptState, params: PyTree) -> PyTree:
+def _step_is_finite(
+  leaves: _Leaves, loss_scaled: LossScaledGradients | None, dtype: Any
+) -> jax.Array:
+  """Whether to apply the step.
+
+  Under a ``loss_scale`` that handed over, its verdict on the raw gradients,
+  else a check of every gradient. Either way, a gradient wider than the masters
+  (float64 for float32 masters, an unscaled float32 one for float16 masters)
+  is also checked as cast to ``dtype``, which may overflow where it did not.
+  """
+  to_check = []
+  for grad, master in zip(leaves.grads, leaves.masters, strict=True):
+    if not tree_lib.is_floating(grad):
+      continue
+    seen = grad if loss_scaled is None else loss_scaled.unscale(grad)
+    if not tree_lib.no_master(master) and tree_lib.float_bits(seen) > jnp.finfo(dtype).bits:
+      to_check.append(jnp.asarray(seen).astype(dtype))
+    elif loss_scaled is None:
+      to_check.append(grad)
+  finite = all_finite(to_check)  # True for an empty list
+  return finite if loss_scaled is None else jnp.logical_and(loss_scaled.finite, finite)
+
+
+def _step_on_masters(
+  inner: optax.GradientTransformationExtraArgs,
+  dtype: Any,
+  leaves: _Leaves,
+  loss_scaled: LossScaledGradients | None,
+  extra_args: dict[str, Any],
+) -> Callable[..., tuple[Any, list[Any]]]:
+  """The applied branch: ``step((masters, inner_state), grads)`` returns the
+  new masters and inner state, and the updates of the leaves without a master
+  (only those leave the cond; the others are derived from the new masters)."""
+
+  def step(state, grads):
+    masters, inner_state = state
+    # Unscaled and cast here, inside the cond, so the float32 copies fuse into
+    # the update instead of entering the cond as buffers.
+    if loss_scaled is not None:
+      grads = [loss_scaled.unscale(g) for g in grads]
+    grads = [
+      g if tree_lib.no_master(m) else g.astype(dtype) for g, m in zip(grads, masters, strict=True)
+    ]
+    inner_updates, new_inner = inner.update(
+      leaves.treedef.unflatten(grads), inner_state, leaves.master_view(masters), **extra_args
+    )
+    validation.check_state_types_kept("mixed_precision", new_inner, inner_state)
+    flat_updates = leaves.treedef.flatten_up_to(inner_updates)
+    new_masters = [
+      m if tree_lib.no_master(m) else (m + u).astype(dtype)
+      for m, u in zip(masters, flat_updates, strict=True)
+    ]
+    hole_updates = [u for m, u in zip(masters, flat_updates, strict=True) if tree_lib.no_master(m)]
+    return (new_masters, new_inner), hole_updates
+
+  return step
+
+
+def _rounded_update(new_master: jax.Array, param: Any, applied: jax.Array, dtype: Any) -> jax.Array:
+  """The update that moves ``param`` onto ``new_master`` rounded to its dtype
+  (saturating), zero on a skipped step."""
+  param = jnp.asarray(param)
+  target = tree_lib.saturating_cast(new_master, param.dtype)
+  delta = target.astype(dtype) - param.astype(dtype)
+  return jnp.where(applied, delta, jnp.zeros_like(delta))
+
+
+def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_lib.PyTree:
   """The full-precision view of the model held by ``opt_state``.
 
   Returns ``params`` with every leaf that has a master in some
@@ -355,12 +332,54 @@ def master_params(opt_state: optax.OptState, params: PyTree) -> PyTree:
   return result
 
 
+# --- Seeding masters from full-precision values (init_from_full_precision) -----------
+#
+# optax's init(params) has no channel for a second tree, so
+# init_from_full_precision publishes, for the one tx.init call it makes, the
+# full-precision value of each low-precision leaf it passes in, keyed by that
+# leaf's identity: whatever wrappers sit between it and a mixed_precision
+# (chain, masked, partition, MultiSteps) hand the same leaf objects down, so
+# identity finds the exact source even where the tree was reshaped on the way,
+# which key paths would not. See docs/design.md.
+
+
+class _MasterSources:
+  """Full-precision values keyed by the low-precision leaves made from them."""
+
+  def __init__(self, pairs: list[tuple[Any, Any, str]]):
+    # Holding the low leaves keeps their ids from being reused meanwhile.
+    self._by_id = {id(low): (low, full, path) for low, full, path in pairs}
+    self._unused = set(self._by_id)
+
+  def take(self, leaf: Any) -> Any:
+    entry = self._by_id.get(id(leaf))
+    if entry is None:
+      return leaf
+    self._unused.discard(id(leaf))
+    return entry[1]
+
+  def unused_paths(self) -> list[str]:
+    return sorted(self._by_id[i][2] for i in self._unused)
+
+
+_MASTER_SOURCES: contextvars.ContextVar[_MasterSources | None] = contextvars.ContextVar(
+  "mpx_master_sources", default=None
+)
+
+
+def _master_seed() -> Callable[[Any], Any]:
+  """What a master is made from: the full-precision source of a leaf while
+  init_from_full_precision runs tx.init, else the leaf itself."""
+  sources = _MASTER_SOURCES.get()
+  return (lambda leaf: leaf) if sources is None else sources.take
+
+
 def init_from_full_precision(
   tx: optax.GradientTransformation,
-  params: PyTree,
+  params: tree_lib.PyTree,
   param_dtype: jax.typing.DTypeLike,
-  where: tree_lib.LeafPredicate | PyTree | None = None,
-) -> tuple[PyTree, optax.OptState]:
+  where: tree_lib.LeafPredicate | tree_lib.PyTree | None = None,
+) -> tuple[tree_lib.PyTree, optax.OptState]:
   """Starts low-precision training from full-precision weights, losing no bit.
 
   Casts ``params`` (e.g. FP32 weights restored from a checkpoint) to
@@ -395,7 +414,7 @@ def init_from_full_precision(
     >>> params["w"].dtype, bool(state.master_params["w"][0] == full["w"][0])
     (dtype(bfloat16), True)
   """
-  check_transformation(tx, "tx")
+  validation.check_transformation(tx, "tx")
   low = tree_lib.cast_tree(params, param_dtype, where, saturate=True)
   low_with_paths, _ = jax.tree_util.tree_flatten_with_path(low)
   pairs = [
@@ -404,8 +423,11 @@ def init_from_full_precision(
     if low_leaf is not full_leaf
   ]
   sources = _MasterSources(pairs)
-  with _seeding_masters(sources):
+  token = _MASTER_SOURCES.set(sources)
+  try:
     opt_state = tx.init(low)
+  finally:
+    _MASTER_SOURCES.reset(token)
   unused = sources.unused_paths()
   if unused:
     raise ValueError(

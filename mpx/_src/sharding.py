@@ -29,11 +29,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-PyTree = Any
-
-
-def _is_hole(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
+from mpx._src import tree as tree_lib
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -85,10 +81,10 @@ def _add_axis(shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Mesh, axis
 
 def zero1_shardings(
   tx: optax.GradientTransformation,
-  params: PyTree,
+  params: optax.Params,
   mesh: Mesh,
   axis: str | None = "data",
-) -> PyTree:
+) -> optax.OptState:
   """Shardings that split the optimizer state of ``tx`` across ``axis``.
 
   Every leaf of the state that mirrors a parameter (the float32 masters of
@@ -150,7 +146,7 @@ def zero1_shardings(
   abstract_state = jax.eval_shape(tx.init, params)
 
   def shard_like_param(leaf: Any, param: Any) -> Any:
-    if _is_hole(leaf):
+    if tree_lib.is_placeholder(leaf):
       return leaf
     shape = tuple(getattr(leaf, "shape", ()))
     if not shape:
@@ -166,5 +162,5 @@ def zero1_shardings(
     abstract_state,
     params,
     transform_non_params=lambda _: replicated,
-    is_leaf=_is_hole,
+    is_leaf=tree_lib.is_placeholder,
   )

@@ -1,4 +1,4 @@
-"""Pytree helpers for mixed precision: finite checks, selection and casting.
+"""Pytree helpers for mixed precision: leaf types, holes, selection and casting.
 
 Only floating leaves are ever inspected or cast: integer step counters, booleans
 and PRNG keys pass through untouched.
@@ -12,10 +12,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 PyTree = Any
 # A predicate receives the leaf's path (``"layer/norm/scale"``) and the leaf.
 LeafPredicate = Callable[[str, Any], bool]
+
+
+def no_master(leaf: Any) -> bool:
+  """Whether ``leaf`` is the ``optax.MaskedNode`` that stands in
+  ``MixedPrecisionState.master_params`` for a param with no master copy."""
+  return isinstance(leaf, optax.MaskedNode)
+
+
+def is_placeholder(leaf: Any) -> bool:
+  """Whether ``leaf`` is None or an ``optax.MaskedNode``: a position that holds
+  no array, compared as a leaf when two trees' structures are checked."""
+  return leaf is None or isinstance(leaf, optax.MaskedNode)
 
 
 def leaf_dtype(leaf: Any) -> Any:
@@ -43,101 +56,6 @@ def float_bits(leaf: Any) -> int:
 def path_str(path: tuple[Any, ...]) -> str:
   """Renders a pytree key path as ``"a/b/0"`` for predicates and messages."""
   return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def all_finite(tree: PyTree) -> jax.Array:
-  """Returns a scalar bool array: True iff no floating leaf holds inf or NaN.
-
-  Non-floating leaves (integer counters, booleans) are ignored and an empty
-  tree is finite. The result stays on device, so it can steer ``jnp.where`` or
-  ``lax.cond`` inside ``jit`` without a host sync.
-
-  Args:
-    tree: any pytree of arrays.
-
-  Returns:
-    A boolean scalar ``jax.Array``.
-
-  Example:
-    >>> import jax.numpy as jnp, mpx
-    >>> bool(mpx.all_finite({"w": jnp.ones(3), "step": jnp.int32(7)}))
-    True
-    >>> bool(mpx.all_finite({"w": jnp.array([1.0, jnp.inf])}))
-    False
-  """
-  leaves = [x for x in jax.tree.leaves(tree) if is_floating(x)]
-  # Host values (numpy arrays, Python floats) are checked as they are: made a
-  # jax array, a float64 would first be narrowed to float32 (1e300 -> inf).
-  host_finite = all(bool(np.isfinite(x).all()) for x in leaves if _on_host(x))
-  leaves = [x for x in leaves if not _on_host(x)]
-  if not leaves or not host_finite:
-    return jnp.asarray(host_finite)
-  if not _fold_on_this_backend():
-    return jnp.stack([_reduced_finite(x) for x in leaves]).all()
-  # XLA:CPU computes on bfloat16 through float32: slicing a bfloat16 leaf into
-  # blocks writes a float32 copy of it first (a bitcast to float16, a float16
-  # copy), and its max reduction may drop a NaN, so bfloat16 is reduced.
-  return jnp.stack(
-    [_reduced_finite(x) if x.dtype == jnp.bfloat16 else _folded_finite(x) for x in leaves]
-  ).all()
-
-
-def _on_host(leaf: Any) -> bool:
-  return isinstance(leaf, (np.ndarray, np.generic, float))
-
-
-# A leaf is checked by folding when it has at least this many elements.
-_FOLD_WIDTH = 16
-_MIN_FOLD_SIZE = _FOLD_WIDTH * 1024
-
-
-def _fold_on_this_backend() -> bool:
-  """Whether :func:`all_finite` folds large leaves before reducing them.
-
-  XLA:CPU runs a reduction as one scalar loop, at a fraction of the memory
-  bandwidth that its (vectorised, multi-threaded) elementwise loops reach, so
-  on the CPU the check first ANDs contiguous blocks of a leaf elementwise and
-  reduces only the 1/256 that is left. The blocks cut across how a leaf is laid
-  out over devices, which would cost communication (or be refused for an
-  explicitly sharded leaf), so with several devices, and on accelerators,
-  whose reductions are fast, the plain reduction is used.
-  """
-  return jax.default_backend() == "cpu" and jax.device_count() == 1
-
-
-def _reduced_finite(x: jax.Array) -> jax.Array:
-  return jnp.isfinite(x).all()
-
-
-def _folded_finite(x: jax.Array) -> jax.Array:
-  """``isfinite(x).all()`` with two elementwise folds of ``_FOLD_WIDTH``
-  contiguous blocks each before the reduction (see ``_fold_on_this_backend``)."""
-  flat = x.reshape(-1)
-  if flat.size < _MIN_FOLD_SIZE:
-    return _reduced_finite(flat)
-  block = flat.size // _FOLD_WIDTH
-  # Elements past the last whole block (fewer than _FOLD_WIDTH) are reduced apart.
-  ok = _reduced_finite(flat[_FOLD_WIDTH * block :])
-  # isfinite is applied per block: XLA leaves one isfinite over the whole leaf
-  # unfused, writing a predicate per element.
-  folded = _and_of_blocks([jnp.isfinite(part) for part in _blocks(flat, block)])
-  if block >= _MIN_FOLD_SIZE:
-    inner = block // _FOLD_WIDTH
-    ok &= folded[_FOLD_WIDTH * inner :].all()
-    folded = _and_of_blocks(_blocks(folded, inner))
-  return ok & folded.all()
-
-
-def _blocks(flat: jax.Array, block: int) -> list[jax.Array]:
-  """The first ``_FOLD_WIDTH`` consecutive blocks of ``block`` elements."""
-  return [flat[i * block : (i + 1) * block] for i in range(_FOLD_WIDTH)]
-
-
-def _and_of_blocks(parts: list[jax.Array]) -> jax.Array:
-  result = parts[0]
-  for part in parts[1:]:
-    result = result & part
-  return result
 
 
 def select_tree(pred: jax.typing.ArrayLike, on_true: PyTree, on_false: PyTree) -> PyTree:

@@ -1,13 +1,15 @@
-"""Validation shared by the transformations: clear errors at construction or
-trace time instead of silent wrong answers (see docs/guarantees.md)."""
+"""Checks of the transformations' inputs: a clear error naming the leaf and the
+fix, at construction or trace time, instead of a silent wrong answer (see
+docs/guarantees.md). All of them run at trace time: none costs a step anything.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 from mpx._src import tree as tree_lib
 
@@ -22,15 +24,6 @@ def check_transformation(inner: Any, name: str = "inner") -> None:
     )
 
 
-def _is_hole(x: Any) -> bool:
-  return x is None or isinstance(x, optax.MaskedNode)
-
-
-def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_hole)
-  return [(tree_lib.path_str(path) or "<root>", leaf) for path, leaf in flat]
-
-
 def describe(leaf: Any) -> str:
   """``float32[2, 3]``-style text for error messages."""
   dtype = tree_lib.leaf_dtype(leaf)
@@ -39,20 +32,38 @@ def describe(leaf: Any) -> str:
   return f"{dtype}{list(np.shape(leaf))}"
 
 
+def zip_leaves(
+  first: Any,
+  second: Any,
+  mismatch: Callable[[Any, Any], Exception],
+) -> Iterator[tuple[str, Any, Any]]:
+  """``(path, leaf of first, leaf of second)`` for two trees of one structure.
+
+  None and ``optax.MaskedNode`` count as leaves, so a hole in one tree must be
+  a hole in the other. If the structures differ, raises
+  ``mismatch(first_treedef, second_treedef)``.
+  """
+  first_def = jax.tree.structure(first, is_leaf=tree_lib.is_placeholder)
+  second_def = jax.tree.structure(second, is_leaf=tree_lib.is_placeholder)
+  if first_def != second_def:
+    raise mismatch(first_def, second_def)
+  flat, _ = jax.tree_util.tree_flatten_with_path(first, is_leaf=tree_lib.is_placeholder)
+  for (path, a), b in zip(flat, second_def.flatten_up_to(second), strict=True):
+    yield tree_lib.path_str(path) or "<root>", a, b
+
+
 def check_grads_match_params(name: str, grads: Any, params: Any) -> None:
   """Gradients must have the params' structure, and every floating param a
   floating gradient of its shape (a broadcastable one would be silently
   broadcast; an integer one would skip unscaling)."""
-  grads_def = jax.tree.structure(grads, is_leaf=_is_hole)
-  params_def = jax.tree.structure(params, is_leaf=_is_hole)
-  if grads_def != params_def:
-    raise ValueError(
+
+  def mismatch(grads_def, params_def):
+    return ValueError(
       f"{name}: gradients do not match params.\n  gradients: {grads_def}\n  params: {params_def}"
     )
-  for (path, grad), param in zip(
-    _leaves_with_paths(grads), jax.tree.leaves(params, is_leaf=_is_hole), strict=True
-  ):
-    if _is_hole(param) or not tree_lib.is_floating(param):
+
+  for path, grad, param in zip_leaves(grads, params, mismatch):
+    if tree_lib.is_placeholder(param) or not tree_lib.is_floating(param):
       continue  # integer params take integer or float0 gradients
     if not tree_lib.is_floating(grad):
       raise ValueError(
@@ -73,17 +84,13 @@ def _signature(leaf: Any) -> tuple[tuple[int, ...], Any]:
 def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> None:
   """``state`` must have the structure, shapes and dtypes (weak types aside)
   of ``expected``, the abstract state this transformation's init builds."""
-  state_def = jax.tree.structure(state, is_leaf=_is_hole)
-  expected_def = jax.tree.structure(expected, is_leaf=_is_hole)
   intro = f"{name}: opt_state was not made by this transformation's init (or not for these params)"
-  if state_def != expected_def:
-    raise ValueError(f"{intro}: expected structure {expected_def}, got {state_def}.")
-  for (path, want), got in zip(
-    _leaves_with_paths(expected), jax.tree.leaves(state, is_leaf=_is_hole), strict=True
-  ):
-    if _is_hole(want):
-      continue
-    if _signature(want) != _signature(got):
+
+  def mismatch(state_def, expected_def):
+    return ValueError(f"{intro}: expected structure {expected_def}, got {state_def}.")
+
+  for path, got, want in zip_leaves(state, expected, mismatch):
+    if not tree_lib.is_placeholder(want) and _signature(want) != _signature(got):
       raise ValueError(
         f"{intro}: at {prefix}{path}: expected {describe(want)}, got {describe(got)}."
       )
@@ -92,18 +99,14 @@ def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> 
 def check_state_types_kept(name: str, new_state: Any, old_state: Any) -> None:
   """A skipped step returns the old state, so the inner rule must return its
   state with the types it was given; name the leaf where it does not."""
-  new_def = jax.tree.structure(new_state, is_leaf=_is_hole)
-  old_def = jax.tree.structure(old_state, is_leaf=_is_hole)
-  if new_def != old_def:
-    raise TypeError(
+
+  def mismatch(new_def, old_def):
+    return TypeError(
       f"{name}: the inner rule changed the structure of its state from {old_def} to {new_def}."
     )
-  for (path, new), old in zip(
-    _leaves_with_paths(new_state), jax.tree.leaves(old_state, is_leaf=_is_hole), strict=True
-  ):
-    if _is_hole(new):
-      continue
-    if _signature(new) != _signature(old):
+
+  for path, new, old in zip_leaves(new_state, old_state, mismatch):
+    if not tree_lib.is_placeholder(new) and _signature(new) != _signature(old):
       raise TypeError(
         f"{name}: the inner rule changed the type of its state at {path} from "
         f"{describe(old)} to {describe(new)}. Integer params reaching a rule such as "
