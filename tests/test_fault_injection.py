@@ -93,7 +93,7 @@ def reference_plan(plan, injected, scales_before, pin, seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_poisoned_steps_are_skipped_as_if_never_taken(name, seed):
+def test_poisoned_steps_are_skipped_as_if_never_taken(name, seed, finite_check_form):
   stack, dtype, config = CONFIGS[name]
   _, run = tl.compiled_run(stack, config)
   params = tl.init_params(seed, dtype)
@@ -140,7 +140,7 @@ def test_poisoned_steps_are_skipped_as_if_never_taken(name, seed):
   assert poisoned["eval_loss"][-1] < 0.05 * poisoned["eval_loss"][0]
 
 
-def test_training_recovers_from_an_overflow_storm():
+def test_training_recovers_from_an_overflow_storm(finite_check_form):
   """Hundreds of consecutive overflows drive the scale to its floor; then it
   grows back by the rule, one factor per growth interval, and the loss keeps
   falling from where the storm found it to where a run without the storm gets."""

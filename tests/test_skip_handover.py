@@ -106,7 +106,7 @@ def inner_of(state):
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMATIONS))
-def test_poisoned_steps_leave_every_state_as_if_never_fed(name):
+def test_poisoned_steps_leave_every_state_as_if_never_fed(name, finite_check_form):
   tx = mpx.static_loss_scale(TRANSFORMATIONS[name](), SCALE)
   steps, poisoned = 12, {2, 3, 7, 10}
   plan = gradient_plan(steps, poisoned)

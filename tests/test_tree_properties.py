@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from treecheck import tree_equal
 
 import mpx
@@ -154,7 +154,9 @@ def floating_mask(params):
   return jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.floating), params)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(
+  suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=25, deadline=None
+)
 @given(
   spec=specs,
   seed=st.integers(0, 2**16),
@@ -163,7 +165,9 @@ def floating_mask(params):
   wrap=st.booleans(),
 )
 @jax.disable_jit()
-def test_any_nonfinite_float_leaf_skips_the_whole_step(spec, seed, poison, where, wrap):
+def test_any_nonfinite_float_leaf_skips_the_whole_step(
+  spec, seed, poison, where, wrap, finite_check_form
+):
   """Poisoning one element of any floating leaf (bf16, fp16 or a float32 leaf
   that has no master) skips the step: zero updates for every leaf, integer
   leaves included, the state bitwise unchanged but for the counters, and the

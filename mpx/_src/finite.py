@@ -1,7 +1,7 @@
 """``all_finite``: one on-device flag saying a tree holds no inf or NaN.
 
 The check runs on every step before any state is written, so its run time and
-its compile time are part of the step's. How it is computed follows from four
+its compile time are part of the step's. How it is computed follows from five
 measured facts about XLA (see docs/design.md):
 
 1. XLA:CPU never fuses an elementwise producer into a reduction:
@@ -11,24 +11,28 @@ measured facts about XLA (see docs/design.md):
    once, at full bandwidth, with no scratch.
 2. A sum is exact one way: inf and NaN propagate through addition, so a finite
    sum proves every element finite. Only a non-finite sum is ambiguous (finite
-   values may overflow), and only then, under a ``lax.cond``, is the exact
-   ``sum(x - x)`` computed: ``x - x`` is 0 for every finite ``x`` and NaN for
-   inf and NaN, so that sum never overflows.
-3. XLA:CPU converts float16 with a full copy before any sum, so float16 leaves
+   bfloat16 or float32 values may overflow), and only then, under a
+   ``lax.cond``, is the exact ``sum(x - x)`` computed: ``x - x`` is 0 for
+   every finite ``x`` and NaN for inf and NaN, so that sum never overflows.
+   float16 values (at most 65504) cannot overflow a float32 sum at all.
+3. XLA:CPU copies float16 to float32 before a sum, so large float16 leaves
    (the loss-scaled path) are checked by AND-ing blocks of the leaf
    elementwise and reducing only what is left (1/16 byte of scratch per
-   parameter).
+   parameter); small ones are summed through the copy.
 4. Facts 1 to 3 are about a single CPU device. With several devices, and on
    accelerators, every leaf is checked with the plain ``isfinite(x).all()``:
    accelerators fuse it, and sums or blocks would add collectives across
    shards.
-5. The per-leaf flags are stacked behind an optimization barrier. Without it
-   XLA fuses every per-leaf reduction into the one fusion that combines them,
-   and its fusion pass scans that fusion once per reduction: compile time grew
-   quadratically with the number of leaves (minutes at a thousand).
+5. Per-leaf results are stacked behind an optimization barrier and tested in
+   one kernel. Without the barrier XLA fuses every per-leaf reduction into the
+   one fusion that combines them, and its fusion pass scans that fusion once
+   per reduction: compile time grew quadratically with the number of leaves
+   (minutes at a thousand).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +40,6 @@ import numpy as np
 
 from mpx._src import tree as tree_lib
 
-# Leaves a float32 (or wider) sum reads without a copy; see fact 1 above.
-_SUMMED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
 # A float16 leaf is folded when it has at least this many elements (fact 3).
 _FOLD_WIDTH = 16
 _MIN_FOLD_SIZE = _FOLD_WIDTH * 1024
@@ -75,19 +77,19 @@ def all_finite(tree: tree_lib.PyTree) -> jax.Array:
   on_device = [x for x in leaves if not isinstance(x, (np.ndarray, np.generic, float))]
   if not _single_cpu_device():
     return _all([jnp.isfinite(x).all() for x in on_device])
-  summed = [x for x in on_device if jnp.dtype(x.dtype) in _SUMMED_DTYPES]
-  others = [x for x in on_device if jnp.dtype(x.dtype) not in _SUMMED_DTYPES]
-  finite = _all([_elementwise_finite(x) for x in others])
-  if not summed:
+  folded = [x for x in on_device if _folds(x)]
+  may_overflow = [x for x in on_device if not _folds(x) and _sum_may_overflow(x)]
+  exact = [x for x in on_device if not _folds(x) and not _sum_may_overflow(x)]
+  finite = _all([_folded_finite(jnp.reshape(x, -1)) for x in folded])
+  finite &= _all_finite_values([_sum(x) for x in exact])
+  if not may_overflow:
     return finite
-  sums_finite = _all([jnp.isfinite(_sum(x)) for x in summed])
   # Taken only when some sum is inf or NaN: an overflow, or a non-finite element.
-  exact = jax.lax.cond(
-    sums_finite,
+  return finite & jax.lax.cond(
+    _all_finite_values([_sum(x) for x in may_overflow]),
     lambda: jnp.asarray(True),
-    lambda: _all([jnp.isfinite(_sum(x - x)) for x in summed]),
+    lambda: _all_finite_values([_sum(x - x) for x in may_overflow]),
   )
-  return finite & exact
 
 
 def _all(flags: list[jax.Array]) -> jax.Array:
@@ -99,17 +101,34 @@ def _all(flags: list[jax.Array]) -> jax.Array:
   return jax.lax.optimization_barrier(jnp.stack(flags)).all()
 
 
+def _all_finite_values(values: list[jax.Array]) -> jax.Array:
+  """Whether every scalar is finite: one isfinite over the stacked values
+  (a kernel for all, not one per leaf), stacked behind a barrier (fact 5)."""
+  if len(values) <= 1:
+    return _all([jnp.isfinite(v) for v in values])
+  by_dtype: dict[Any, list[jax.Array]] = {}
+  for value in values:
+    by_dtype.setdefault(jnp.dtype(value.dtype), []).append(value)
+  return _all(
+    [jnp.isfinite(jax.lax.optimization_barrier(jnp.stack(v))).all() for v in by_dtype.values()]
+  )
+
+
 def _sum(x: jax.Array) -> jax.Array:
   """The sum of ``x`` in float32, or in ``x``'s dtype where that is wider."""
   return jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _elementwise_finite(x: jax.Array) -> jax.Array:
-  """``isfinite(x).all()``, with large leaves folded first (fact 3 above)."""
-  x = jnp.asarray(x)
-  if x.size < _MIN_FOLD_SIZE:
-    return jnp.isfinite(x).all()
-  return _folded_finite(x.reshape(-1))
+def _folds(x: jax.Array) -> bool:
+  """Large float16 (or narrower) leaves are folded: XLA:CPU would copy them to
+  float32 before a sum (fact 3 above)."""
+  return jnp.finfo(x.dtype).bits <= 16 and x.dtype != jnp.bfloat16 and x.size >= _MIN_FOLD_SIZE
+
+
+def _sum_may_overflow(x: jax.Array) -> bool:
+  """Whether finite values of ``x`` can sum to inf: those of a float32-range
+  dtype can; float16 values (at most 65504) cannot, in float32, in any number."""
+  return float(jnp.finfo(x.dtype).max) > 2.0**100
 
 
 def _single_cpu_device() -> bool:

@@ -296,8 +296,8 @@ def _rounded_update(new_master: jax.Array, param: Any, applied: jax.Array, dtype
   (saturating), zero on a skipped step."""
   param = jnp.asarray(param)
   target = tree_lib.saturating_cast(new_master, param.dtype)
-  delta = target.astype(dtype) - param.astype(dtype)
-  return jnp.where(applied, delta, jnp.zeros_like(delta))
+  delta = jax.lax.sub(target.astype(dtype), param.astype(dtype))
+  return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
 
 
 def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_lib.PyTree:

@@ -176,5 +176,8 @@ def saturating_cast(x: Any, dtype: Any) -> jax.Array:
   dtype = jnp.dtype(dtype)
   if jnp.finfo(dtype).max >= jnp.finfo(x.dtype).max:
     return x.astype(dtype)
-  limit = jnp.asarray(jnp.finfo(dtype).max, x.dtype)
-  return jnp.where(jnp.isfinite(x), jnp.clip(x, -limit, limit), x).astype(dtype)
+  # lax, not jnp: this runs once per leaf per step, and jnp.clip traces as a
+  # nested jit, which the step's trace and lowering pay for at every leaf.
+  limit = np.asarray(jnp.finfo(dtype).max, x.dtype)
+  clamped = jax.lax.clamp(-limit, x, limit)
+  return jax.lax.select(jax.lax.is_finite(x), clamped, x).astype(dtype)
