@@ -3,8 +3,9 @@
 The machine the benchmarks run on is small and shared, so no single timing is
 trusted: every variant of one benchmark is kept alive at once, the variants run
 in a shuffled order in each of several rounds, each timed between two windows
-of the baseline, and what is reported is the median over rounds of the
-per-step time and of the ratio to the adjacent baseline windows.
+of the baseline (and, where it names one, between two windows of its own
+reference case), and what is reported is the median over rounds of the
+per-step time and of the ratios to the adjacent windows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -192,11 +193,17 @@ class Timings:
     page_faults: per case, minor page faults per step of each window: memory
       the process touched for the first time (XLA:CPU maps a step's scratch
       buffers afresh on every call, so this counts scratch that is not reused).
+    paired: per case that names a reference, one entry per round: its time
+      over the mean of the reference's windows timed just before and just
+      after it.
+    references: the reference each paired case named.
   """
 
   seconds: dict[str, list[float]]
   relative: dict[str, list[float]]
   page_faults: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+  paired: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+  references: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def median_ms(self, name: str) -> float:
     return 1e3 * median(self.seconds.get(name, []))
@@ -208,24 +215,56 @@ class Timings:
     pairs = zip(self.relative.get(name, []), self.relative.get(base, []), strict=False)
     return median([a / b for a, b in pairs])
 
+  def paired_ratio(self, name: str) -> float | None:
+    """Median over rounds of ``name``'s time over its reference's adjacent
+    windows in the same round; None for a case without a reference."""
+    values = self.paired.get(name)
+    return median(values) if values else None
+
 
 def interleaved_times(
-  cases: Sequence[Case], baseline: Case, rounds: int, steps_per_round: int, seed: int = 0
+  cases: Sequence[Case],
+  baseline: Case,
+  rounds: int,
+  steps_per_round: int,
+  seed: int = 0,
+  references: Mapping[str, str] | None = None,
 ) -> Timings:
   """Times every case in ``rounds`` rounds, each next to the baseline.
 
   A round runs ``steps_per_round`` steps of the baseline, then of one case,
   then of the baseline again, and so on through all cases in a freshly
   shuffled order: every case's time is compared with baseline windows timed
-  just before and after it. Steps run under ``jax.transfer_guard("disallow")``
-  for the cases that passed the host-sync check.
+  just before and after it. A case that names a reference in ``references``
+  runs between two windows of that reference instead (baseline, reference,
+  case, reference, baseline), so its ratio to the reference is taken against
+  windows adjacent in time too; those extra windows count in no case's
+  ``seconds``. Steps run under ``jax.transfer_guard("disallow")`` for the
+  cases that passed the host-sync check.
+
+  Args:
+    cases: the cases to time (the baseline among them or not).
+    baseline: the case every other one is timed next to.
+    rounds: how many rounds.
+    steps_per_round: steps in each timing window.
+    seed: seeds the shuffles.
+    references: case name -> name of another case in ``cases``.
+
+  Returns:
+    The per-window times and the per-round ratios.
   """
   rng = random.Random(seed)
+  by_name = {c.name: c for c in (baseline, *cases)}
+  references = dict(references or {})
+  missing = sorted(r for r in references.values() if r not in by_name)
+  if missing:
+    raise ValueError(f"reference cases {missing} are not among the cases timed")
   seconds: dict[str, list[float]] = {c.name: [] for c in (baseline, *cases)}
   relative: dict[str, list[float]] = {c.name: [] for c in (baseline, *cases)}
   faults: dict[str, list[float]] = {c.name: [] for c in (baseline, *cases)}
+  paired: dict[str, list[float]] = {name: [] for name in references}
 
-  def timed(case: Case) -> float:
+  def timed(case: Case, record: bool = True) -> float:
     case.wait()
     guard = "disallow" if case.host_syncs == 0 else "allow"
     with jax.transfer_guard(guard):
@@ -234,8 +273,10 @@ def interleaved_times(
       case.run(steps_per_round)
       case.wait()
       elapsed = (time.perf_counter() - start) / steps_per_round
-      faults[case.name].append((_minor_page_faults() - faults_before) / steps_per_round)
-    seconds[case.name].append(elapsed)
+      fresh = (_minor_page_faults() - faults_before) / steps_per_round
+    if record:
+      seconds[case.name].append(elapsed)
+      faults[case.name].append(fresh)
     return elapsed
 
   order = [c for c in cases if c is not baseline]
@@ -244,11 +285,17 @@ def interleaved_times(
     before = timed(baseline)
     relative[baseline.name].append(1.0)
     for case in order:
+      reference = by_name.get(references.get(case.name, ""))
+      if reference is not None:
+        ref_before = timed(reference, record=False)
       elapsed = timed(case)
+      if reference is not None:
+        ref_after = timed(reference, record=False)
+        paired[case.name].append(elapsed / (0.5 * (ref_before + ref_after)))
       after = timed(baseline)
       relative[case.name].append(elapsed / (0.5 * (before + after)))
       before = after
-  return Timings(seconds, relative, faults)
+  return Timings(seconds, relative, faults, paired, references)
 
 
 def _minor_page_faults() -> int:
@@ -305,7 +352,8 @@ def hlo_profile(compiled: Any) -> dict[str, int]:
   Returns a dict with the counts of ``fusion`` kernels (``custom_fusions``:
   those XLA:CPU hands to a library such as YNNPACK, ``kind=kCustom``),
   standalone ``copy`` instructions, ``conditional``s, the instructions inside
-  conditional branches, and the temporary buffer bytes.
+  conditional branches, the temporary buffer bytes, and the bytes XLA's cost
+  model says the step accesses (-1 where it does not say).
   """
   counts = {"fusion": 0, "copy": 0, "conditional": 0, "in_branches": 0, "custom_fusions": 0}
   text = compiled.as_text()
@@ -336,7 +384,31 @@ def hlo_profile(compiled: Any) -> dict[str, int]:
       counts["custom_fusions"] += 1
   memory = compiled.memory_analysis()
   counts["temp_bytes"] = int(getattr(memory, "temp_size_in_bytes", 0) or 0)
+  accessed = bytes_accessed(compiled)
+  counts["bytes_accessed"] = -1 if accessed is None else int(accessed)
   return counts
+
+
+def bytes_accessed(compiled: Any) -> float | None:
+  """``compiled.cost_analysis()["bytes accessed"]``: XLA's count of the bytes
+  its kernels read and write (operands and outputs of each, as the compiled
+  HLO stands), a device-independent view of how well the step fuses.
+
+  Returns:
+    The figure, or None where the backend gives no cost analysis.
+  """
+  try:
+    cost = compiled.cost_analysis()
+  except (NotImplementedError, RuntimeError):
+    return None
+  # Older jax returns one dict per program of the executable (one here: a
+  # single device), newer jax the dict itself.
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if not isinstance(cost, Mapping):
+    return None
+  value = cost.get("bytes accessed")
+  return None if value is None else float(value)
 
 
 def peak_bytes(compiled: Any) -> tuple[int, str]:

@@ -6,7 +6,12 @@ XLA may update it in place. The 16-bit variants all do the same job: from
 float16 (or bfloat16) gradients, produce the next 16-bit parameters and keep
 float32 masters and Adam's float32 moments. The parameters are a realistic
 tree of matrices shaped like a small transformer (see :func:`param_shapes`),
-not one long vector.
+not one long vector; a tree of many small matrices (:func:`many_leaf_shapes`)
+shows the per-leaf costs.
+
+The mpx variants are also timed next to the hand-written step of their own
+dtype in every round (``Variant.paired``): the issue's speed targets are ratios
+to those steps.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ from benchmarks.common import Case
 PyTree = Any
 F32 = jnp.float32
 F16 = jnp.float16
+BF16 = jnp.bfloat16
 SCALE = 2.0**15  # the loss scale the fp16 gradients were made with
 LR = 1e-3
 BASELINE = "optax adam fp32"
-HAND = "hand-written (no safety)"
+HAND = "hand-written fp16 (no safety)"
+HAND_BF16 = "hand-written bf16 (no safety)"
+# The hand-written step each parameter dtype is held against.
+HAND_OF = {"float16": HAND, "bfloat16": HAND_BF16}
 
 # Bytes each variant must move per parameter at minimum (see docs/benchmarks.md):
 # read g, master, mu, nu; write param, master, mu, nu. Plain FP32 Adam: 16 read
@@ -69,6 +78,18 @@ def param_shapes(n_params: int, layers: int = 4) -> dict[str, Any]:
       "mlp": {"up": {"kernel": (d, 4 * d)}, "down": {"kernel": (4 * d, d)}},
     }
   tree["ln_f"] = {"scale": (d,)}
+  return tree
+
+
+def many_leaf_shapes(leaves: int, side: int = 128) -> dict[str, Any]:
+  """A tree of ``leaves`` square ``side x side`` matrices, in blocks of ten.
+
+  Per-leaf costs (a kernel launch, a reduction, a branch operand) dominate
+  here, where the transformer-shaped trees' few large leaves hide them.
+  """
+  tree: dict[str, Any] = {}
+  for i in range(leaves):
+    tree.setdefault(f"block_{i // 10:03d}", {})[f"w{i % 10}"] = (side, side)
   return tree
 
 
@@ -126,6 +147,9 @@ class Variant:
       the variant is unavailable.
     skips: whether it skips non-finite steps (gets one at the end of a run).
     what: one line for the report.
+    paired: time it, in every round, between two windows of the hand-written
+      step of its own dtype (:data:`HAND_OF`), for a ratio to that step that
+      does not go through the FP32 baseline.
   """
 
   name: str
@@ -135,6 +159,12 @@ class Variant:
   build: Callable[[PyTree, PyTree], Any]
   skips: bool
   what: str
+  paired: bool = False
+
+  @property
+  def reference(self) -> str | None:
+    """The hand-written step of its dtype (None for the FP32 baseline)."""
+    return HAND_OF.get(self.param_dtype)
 
 
 def _adam() -> optax.GradientTransformation:
@@ -185,18 +215,28 @@ def _hand_core(adam):
   return core
 
 
-def _hand_state(p32, adam):
-  return (_copy(p32, F16), _copy(p32), adam.init(p32))
+def _hand_state(p32, adam, dtype=F16):
+  return (_copy(p32, dtype), _copy(p32), adam.init(p32))
 
 
-def build_hand(p32, g):
+def _hand_grads(g, dtype):
+  """bf16 gradients as they are; fp16 ones made with the loss scale (the hand
+  steps do not unscale: they measure the step's memory traffic, not its use)."""
+  return g.bf16 if dtype == BF16 else g.f16
+
+
+def build_hand(p32, g, dtype=F16):
   adam = _adam()
   core = _hand_core(adam)
 
   def step(state, grads):
     return core(*state, grads)
 
-  return step, _hand_state(p32, adam), g.f16
+  return step, _hand_state(p32, adam, dtype), _hand_grads(g, dtype)
+
+
+def build_hand_bf16(p32, g):
+  return build_hand(p32, g, BF16)
 
 
 def build_hand_check(p32, g):
@@ -221,14 +261,18 @@ def build_hand_cond_flag(p32, g):
   return step, _hand_state(p32, adam), args, bad
 
 
-def build_hand_cond(p32, g):
+def build_hand_cond(p32, g, dtype=F16):
   adam = _adam()
   core = _hand_core(adam)
 
   def step(state, grads):
     return jax.lax.cond(_finite(grads), lambda s: core(*s, grads), lambda s: s, state)
 
-  return step, _hand_state(p32, adam), g.f16
+  return step, _hand_state(p32, adam, dtype), _hand_grads(g, dtype)
+
+
+def build_hand_cond_bf16(p32, g):
+  return build_hand_cond(p32, g, BF16)
 
 
 def build_hand_select(p32, g):
@@ -254,7 +298,7 @@ def _mpx_step(tx):
 
 def build_mpx_bf16(p32, g):
   tx = mpx.mixed_precision(_adam())
-  params, opt = mpx.init_from_full_precision(tx, _copy(p32), jnp.bfloat16)
+  params, opt = mpx.init_from_full_precision(tx, _copy(p32), BF16)
   return _mpx_step(tx), (params, opt), g.bf16
 
 
@@ -283,7 +327,7 @@ class Grads(NamedTuple):
 def make_grads(g32: PyTree) -> Grads:
   return Grads(
     f32=g32,
-    bf16=jax.tree.map(lambda g: g.astype(jnp.bfloat16), g32),
+    bf16=jax.tree.map(lambda g: g.astype(BF16), g32),
     f16=jax.tree.map(lambda g: (g * SCALE).astype(F16), g32),
   )
 
@@ -432,6 +476,15 @@ VARIANTS = (
     "cast grads to f32, adam on f32 masters, round(master) - param; no check, no scaling",
   ),
   Variant(
+    HAND_BF16,
+    "reference",
+    "bfloat16",
+    MIN_BYTES_NO_CHECK,
+    build_hand_bf16,
+    False,
+    "the same on bf16 params and bf16 grads: the reference for mpx bf16",
+  ),
+  Variant(
     "hand + cond (flag given)",
     "reference",
     "float16",
@@ -475,6 +528,7 @@ VARIANTS = (
     build_mpx_bf16,
     True,
     "mpx.mixed_precision(adam) on bf16 params",
+    paired=True,
   ),
   Variant(
     "mpx fp16",
@@ -484,6 +538,7 @@ VARIANTS = (
     build_mpx_fp16,
     True,
     "mpx.loss_scale(mpx.mixed_precision(adam)) on fp16 params, scaled grads",
+    paired=True,
   ),
   Variant(
     "jmp fp16",
@@ -554,23 +609,27 @@ CHECKS = {
 }
 
 
-def probes(n: int, grads: Grads) -> list[Probe]:
+def probes(n: int, grads: Grads, checks: bool = True) -> list[Probe]:
   """Bandwidth probes on ``min(n, 2**25)`` float32 elements (128 MiB, far
   beyond any cache): ``x + 1`` in place (copy: 8 bytes per element) and
-  ``y + a * x`` in place (axpy: 12 bytes); and the finite check alone on the
-  fp16 gradients, with ``x + 1`` in place on a copy of them (4 bytes per
-  parameter) for reference."""
+  ``y + a * x`` in place (axpy: 12 bytes); and, with ``checks``, the finite
+  check alone on the fp16 gradients, with ``x + 1`` in place on a copy of them
+  (4 bytes per parameter) for reference."""
   n = min(n, ROOF_ELEMENTS)
   x = jnp.full((n,), 1.0, F32)
   out = [
     Probe(Case(ROOF_COPY, lambda s: s + 1.0, jnp.zeros((n,), F32), ()), "roofline", 8),
     Probe(Case(ROOF_AXPY, lambda s, x: s + 1e-3 * x, jnp.zeros((n,), F32), (x,)), "roofline", 12),
+  ]
+  if not checks:
+    return out
+  out.append(
     Probe(
       Case(CHECK_COPY, lambda s: jax.tree.map(lambda v: v + 1, s), _copy(grads.f16), ()),
       "check",
       4,
-    ),
-  ]
+    )
+  )
   for name, check in CHECKS.items():
     fn = lambda s, g, check=check: s & check(g)  # noqa: E731
     out.append(Probe(Case(name, fn, jnp.asarray(True), (grads.f16,)), "check", 2))

@@ -1,25 +1,29 @@
 """Runs the mpx benchmarks and writes docs/benchmarks.md and docs/benchmarks.png.
 
-1. The Adam optimizer step at several sizes: plain optax FP32 Adam (the
-   baseline), a hand-written mixed-precision step without safety (the
-   reference for the cost of safety) and with the two ways to skip a step
+1. The Adam optimizer step at several sizes and on a tree of many small
+   leaves: plain optax FP32 Adam (the baseline), hand-written fp16 and bf16
+   mixed-precision steps without safety (the references for the cost of
+   safety; mpx bf16 and fp16 are also timed next to the one of their dtype in
+   every round) and the fp16 one with the two ways to skip a step
    (``lax.cond``, ``jnp.where``), mpx bf16 and fp16, and the peers' fp16 paths
    (jmp, flax ``DynamicScale``, mixed-precision-for-JAX,
    ``optax.apply_if_finite``); bytes per parameter and bandwidth against a
-   copy/axpy roofline measured in the same run; an HLO profile; compile time.
-2. A whole training step of a small flax transformer: FP32 vs mpx bf16 vs mpx
+   copy/axpy roofline measured in the same run; XLA's bytes accessed and
+   scratch per parameter; an HLO profile; compile time.
+2. Compile time against the number of leaves (``benchmarks/compile_time.py``).
+3. A whole training step of a small flax transformer: FP32 vs mpx bf16 vs mpx
    fp16, with optimizer-state bytes and peak memory.
-3. Host syncs per step (under ``jax.transfer_guard("disallow")``) and
+4. Host syncs per step (under ``jax.transfer_guard("disallow")``) and
    compilations per run, for every variant.
 
 Run from the repository root::
 
-  python benchmarks/run.py                     # default sizes 1M, 16M, 64M (a few minutes)
+  python benchmarks/run.py                     # the default run (about twelve minutes)
   python benchmarks/run.py --smoke             # tiny, seconds; prints only
-  python benchmarks/run.py --sizes 16M --rounds 9
+  python benchmarks/run.py --sizes 16M --rounds 9 --many-leaves 0 --no-compile-time
 
-At 64M parameters all fourteen optimizer-step variants and probes are alive at
-once: about 15 GiB of memory. ``--sizes 1M,16M`` needs a quarter of that.
+At 64M parameters all optimizer-step variants and probes are alive at once:
+about 16 GiB of memory. ``--sizes 1M,16M`` needs a quarter of that.
 """
 
 from __future__ import annotations
@@ -42,13 +46,23 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks import common, report  # noqa: E402
+from benchmarks import common, compile_time, report  # noqa: E402
 from benchmarks import optimizer_step as opt_bench  # noqa: E402
 from benchmarks import train_step as train_bench  # noqa: E402
 from benchmarks.model import ModelSize  # noqa: E402
 
 DEFAULT_SIZES = "1M,16M,64M"
 SMOKE_SIZES = "64K"
+DEFAULT_ROUNDS = 11
+# Above this many params a round of every variant takes ~10 s on a 2-core CPU:
+# fewer rounds keep the default run near twelve minutes.
+LARGE_PARAMS = 48 * 2**20
+DEFAULT_ROUNDS_LARGE = 7
+MANY_LEAVES, MANY_LEAF_SIDE = 500, 128
+SMOKE_MANY_LEAVES, SMOKE_MANY_LEAF_SIDE = 12, 16
+DEFAULT_LEAF_COUNTS = "100,300,1000"
+SMOKE_LEAF_COUNTS = "10,30"
+COMPILE_TREE = 2**20  # the transformer-shaped tree of the compile-time section
 SMOKE_MODEL = ModelSize(width=32, depth=0, heads=2, seq=16, batch=2, vocab=64)
 
 
@@ -66,7 +80,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--smoke", action="store_true", help="tiny sizes and repeats; prints only")
   parser.add_argument("--sizes", help=f"comma-separated param counts (default {DEFAULT_SIZES})")
   parser.add_argument("--layers", type=int, help="blocks in the benchmark tree (default 4)")
-  parser.add_argument("--rounds", type=int, help="timing rounds (default 7)")
+  parser.add_argument(
+    "--rounds",
+    type=int,
+    help=f"timing rounds (default {DEFAULT_ROUNDS}; {DEFAULT_ROUNDS_LARGE} from "
+    f"{LARGE_PARAMS // 2**20}M params; 2 with --smoke)",
+  )
   parser.add_argument(
     "--steps", type=int, help="least steps per variant per round (default 2; 1 with --smoke)"
   )
@@ -76,7 +95,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     help="seconds the baseline's steps should last in each round (default 0.1); "
     "small sizes then run more steps per round",
   )
-  parser.add_argument("--compile-repeats", type=int, help="fresh compilations each (default 3)")
+  parser.add_argument(
+    "--compile-repeats",
+    type=int,
+    help="fresh compilations of every optimizer-step variant on the first size (default 3)",
+  )
+  parser.add_argument(
+    "--many-leaves",
+    type=int,
+    help=f"also time the optimizer step on a tree of this many {MANY_LEAF_SIDE}x"
+    f"{MANY_LEAF_SIDE} leaves, peers left out (default {MANY_LEAVES}; 0: skip)",
+  )
+  parser.add_argument(
+    "--leaf-counts",
+    help=f"leaf counts of the compile-time trees (default {DEFAULT_LEAF_COUNTS})",
+  )
+  parser.add_argument(
+    "--compile-rounds",
+    type=int,
+    help="rounds of the compile-time section, each compiling every variant once (default 3)",
+  )
+  parser.add_argument(
+    "--no-compile-time", action="store_true", help="skip the compile-time-vs-leaves section"
+  )
   parser.add_argument("--variants", help="comma-separated optimizer-step variants to run")
   parser.add_argument("--no-train", action="store_true", help="skip the training-step benchmark")
   for field in dataclasses.fields(ModelSize):
@@ -96,10 +137,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parse_size(s) for s in (args.sizes or (SMOKE_SIZES if smoke else DEFAULT_SIZES)).split(",")
   ]
   args.layers = args.layers or (1 if smoke else 4)
-  args.rounds = args.rounds or (2 if smoke else 7)
+  if smoke and args.rounds is None:
+    args.rounds = 2
   args.steps = args.steps or (1 if smoke else 2)
   args.window = args.window if args.window is not None else (0.0 if smoke else 0.1)
   args.compile_repeats = args.compile_repeats or (1 if smoke else 3)
+  if args.many_leaves is None:
+    args.many_leaves = SMOKE_MANY_LEAVES if smoke else MANY_LEAVES
+  args.many_leaf_side = SMOKE_MANY_LEAF_SIDE if smoke else MANY_LEAF_SIDE
+  counts = args.leaf_counts or (SMOKE_LEAF_COUNTS if smoke else DEFAULT_LEAF_COUNTS)
+  try:
+    args.leaf_counts = [int(c) for c in counts.split(",") if c.strip()]
+  except ValueError:
+    parser.error(f"--leaf-counts takes comma-separated integers, not {counts!r}")
+  args.compile_rounds = args.compile_rounds or (1 if smoke else 3)
+  # The compile-time section's transformer-shaped tree: 1M params, or the
+  # smoke size (quick to compile at any optimisation level).
+  args.compile_tree = args.sizes[0] if smoke else COMPILE_TREE
   if args.install_peers is None:
     args.install_peers = not smoke
   if args.out_dir is None and not smoke:
@@ -115,15 +169,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   )
   if args.variants:
     names = tuple(s.strip() for s in args.variants.split(","))
-    known = {v.name for v in opt_bench.VARIANTS}
+    known = {v.name: v for v in opt_bench.VARIANTS}
     unknown = [n for n in names if n not in known]
     if unknown:
       parser.error(f"unknown variants {unknown}; known: {sorted(known)}")
-    args.variants = tuple(dict.fromkeys((opt_bench.BASELINE, *names)))
+    # A variant's ratio to the hand step of its dtype needs that step too.
+    references = [known[n].reference for n in names if known[n].reference]
+    args.variants = tuple(dict.fromkeys((opt_bench.BASELINE, *names, *references)))
   return args
 
 
+def rounds_for(args: argparse.Namespace, n: int) -> int:
+  """Timing rounds on a tree of ``n`` params."""
+  if args.rounds:
+    return args.rounds
+  return DEFAULT_ROUNDS_LARGE if n >= LARGE_PARAMS else DEFAULT_ROUNDS
+
+
 def describe_tree(shapes: Any) -> str:
+  if "ln_f" not in shapes:  # opt_bench.many_leaf_shapes
+    leaves = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    rows, cols = leaves[0]
+    return f"{len(leaves)} leaves of {rows}x{cols} in {len(shapes)} blocks"
   d = shapes["ln_f"]["scale"][0]
   vocab = shapes["embed"]["embedding"][0]
   blocks = sum(k.startswith("block_") for k in shapes)
@@ -140,12 +207,31 @@ def log(message: str) -> None:
 
 
 def optimizer_size(
-  args: argparse.Namespace, target: int, measure_compile: bool
+  args: argparse.Namespace, shapes: Any, label: str, measure_compile: bool, many_leaves: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Builds, checks and times every variant on one tree size."""
-  shapes = opt_bench.param_shapes(target, args.layers)
-  built, unavailable, n, grads = opt_bench.build_cases(shapes, args.variants)
-  probes = opt_bench.probes(n, grads)
+  """Builds, checks and times every variant on one tree.
+
+  Args:
+    args: the parsed flags.
+    shapes: the tree's leaf shapes.
+    label: the size's name in the tables.
+    measure_compile: also time fresh compilations of every variant.
+    many_leaves: the tree of many small leaves (peers and the finite-check
+      probes left out: at 500 leaves they would add minutes of compiling and
+      about 40% to every round).
+
+  Returns:
+    ``(result, compile_rows)``.
+  """
+  names = args.variants
+  if many_leaves:
+    names = tuple(
+      v.name for v in opt_bench.VARIANTS if v.kind != "peer" and (names is None or v.name in names)
+    )
+  built, unavailable, n, grads = opt_bench.build_cases(shapes, names)
+  # The finite checks alone are reported at the largest transformer-shaped size
+  # only; on hundreds of leaves they would cost seconds of compiling each.
+  probes = opt_bench.probes(n, grads, checks=not many_leaves)
   del grads
   # The probes first: they absorb one-time costs before any variant compiles.
   cases = [p.case for p in probes] + [c for _, c in built]
@@ -159,14 +245,20 @@ def optimizer_size(
   if measure_compile:
     compile_times = common.compile_seconds([c for _, c in built], args.compile_repeats)
     log("  compile times measured")
+  present = {c.name for _, c in built}
+  references = {
+    v.name: v.reference for v, _ in built if v.paired and v.reference in present and v.reference
+  }
   baseline = next(c for _, c in built if c.name == opt_bench.BASELINE)
+  rounds = rounds_for(args, n)
   steps = common.steps_per_round(baseline, args.window, args.steps)
-  times = common.interleaved_times(cases, baseline, args.rounds, steps)
-  log(f"  timed ({args.rounds} rounds of {steps} steps)")
+  times = common.interleaved_times(cases, baseline, rounds, steps, references=references)
+  log(f"  timed ({rounds} rounds of {steps} steps)")
   for case in cases:
     common.finish_run(case)
 
   probe_rows = {}
+  checks = any(p.group == "check" for p in probes)
   for p in probes:
     seconds = common.median(times.seconds[p.case.name])
     elements = min(n, opt_bench.ROOF_ELEMENTS) if p.group == "roofline" else n
@@ -175,7 +267,7 @@ def optimizer_size(
       "ms": 1e3 * seconds,
       "gbps": p.bytes_per_param * elements / seconds / 1e9,
       "bytes_per_param": p.bytes_per_param,
-      "x_copy": times.ratio(p.case.name, opt_bench.CHECK_COPY),
+      "x_copy": times.ratio(p.case.name, opt_bench.CHECK_COPY) if checks else None,
       "host_syncs": p.case.host_syncs,
       "profile": common.hlo_profile(p.case.compiled()),
     }
@@ -188,11 +280,15 @@ def optimizer_size(
   for variant, case in built:
     ms = times.median_ms(case.name)
     seconds = ms / 1e3
-    rows[variant.name] = {
+    reference = variant.reference if variant.reference in present else None
+    row = {
       "kind": variant.kind,
       "ms": ms,
       "x_base": times.ratio(case.name, opt_bench.BASELINE),
-      "x_hand": times.ratio(case.name, opt_bench.HAND) if opt_bench.HAND in times.seconds else None,
+      "reference": reference,
+      "x_hand": None if reference is None else times.ratio(case.name, reference),
+      "x_hand_paired": times.paired_ratio(case.name),
+      "paired_rounds": times.paired.get(case.name, []),
       "min_bytes": variant.min_bytes,
       "state_bpp": opt_bench.state_bytes_per_param(variant, case, n),
       "gbps": variant.min_bytes * n / seconds / 1e9,
@@ -200,28 +296,40 @@ def optimizer_size(
       "host_syncs": case.host_syncs,
       "compiles": case.compiles,
       "traces": case.traces,
+      "first_call_s": case.first_call_s,
       "times_ms": [1e3 * t for t in times.seconds[case.name]],
       "fresh_bpp": common.median(times.page_faults.get(case.name, [])) * common.page_bytes() / n,
     }
-    rows[variant.name]["roof_pct"] = 100 / rows[variant.name]["floor_x"]
+    row["roof_pct"] = 100 / row["floor_x"]
     if variant.kind == "mpx":
       mpx_state[variant.name] = opt_bench.mpx_state_overhead(case, n)
       value = optax.tree.get(case.state[1], "skipped_steps")
-      rows[variant.name]["skipped_steps"] = None if value is None else int(value)
-    profile[variant.name] = common.hlo_profile(case.compiled())
+      row["skipped_steps"] = None if value is None else int(value)
+    profile[variant.name] = p = common.hlo_profile(case.compiled())
+    row["temp_bpp"] = p["temp_bytes"] / n
+    row["accessed_bpp"] = None if p["bytes_accessed"] < 0 else p["bytes_accessed"] / n
+    rows[variant.name] = row
   if profile:
     log("  profiled")
   result = {
-    "rounds": args.rounds,
+    "rounds": rounds,
     "steps_per_round": steps,
-    "label": report.size_label(n),
+    "label": label,
     "n": n,
-    "target": target,
+    "many_leaves": many_leaves,
+    # The issue's speed targets hold at 16M, 64M and on the many-leaf tree.
+    "targets": many_leaves or n >= report.TARGET_MIN_PARAMS,
     "desc": describe_tree(shapes),
     "leaves": len(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))),
     "adam_state_bytes": opt_bench.adam_state_bytes(shapes),
     "rows": rows,
     "unavailable": unavailable,
+    "skipped_peers": sorted(
+      v.name
+      for v in opt_bench.VARIANTS
+      if many_leaves and v.kind == "peer" and (args.variants is None or v.name in args.variants)
+    ),
+    "references": references,
     "roofline": {
       "copy": probe_rows[opt_bench.ROOF_COPY]["gbps"],
       "axpy": probe_rows[opt_bench.ROOF_AXPY]["gbps"],
@@ -250,9 +358,10 @@ def train_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     common.check_host_syncs(case, steps=2)
   compile_times = common.compile_seconds(cases, args.compile_repeats)
   before = {c.name: train_bench.skipped_steps(c) for c in cases}
+  rounds = rounds_for(args, n)
   steps = common.steps_per_round(cases[0], args.window, args.steps)
-  times = common.interleaved_times(cases, cases[0], args.rounds, steps)
-  log(f"  timed ({args.rounds} rounds of {steps} steps)")
+  times = common.interleaved_times(cases, cases[0], rounds, steps)
+  log(f"  timed ({rounds} rounds of {steps} steps)")
   after = {c.name: train_bench.skipped_steps(c) for c in cases}
   for case in cases:
     common.finish_run(case)
@@ -279,7 +388,7 @@ def train_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     "model": train_bench.describe(args.model, n),
     "rows": rows,
     "peak_source": source,
-    "rounds": args.rounds,
+    "rounds": rounds,
     "steps_per_round": steps,
   }
 
@@ -298,9 +407,17 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
   if args.variants is None or any("mixed-precision-for-JAX" in v for v in args.variants):
     opt_bench.load_peers(args.install_peers)
   sizes, compile_rows = [], {}
-  for i, target in enumerate(args.sizes):
-    log(f"optimizer step: {report.size_label(target)} params")
-    result, comp = optimizer_size(args, target, measure_compile=i == 0)
+  trees = [
+    (report.size_label(target), opt_bench.param_shapes(target, args.layers), False)
+    for target in args.sizes
+  ]
+  if args.many_leaves:
+    shapes = opt_bench.many_leaf_shapes(args.many_leaves, args.many_leaf_side)
+    label = f"{args.many_leaves} leaves ({report.size_label(opt_bench.n_params(shapes))})"
+    trees.append((label, shapes, True))
+  for i, (label, shapes, many) in enumerate(trees):
+    log(f"optimizer step: {label}" + ("" if many else " params"))
+    result, comp = optimizer_size(args, shapes, label, measure_compile=i == 0, many_leaves=many)
     sizes.append(result)
     compile_rows = compile_rows or comp
   names = {name for s in sizes for name in s["rows"]}
@@ -322,6 +439,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
       "sizes": args.sizes,
       "layers": args.layers,
       "rounds": args.rounds,
+      "many_leaves": args.many_leaves,
+      "many_leaf_side": args.many_leaf_side,
+      "leaf_counts": args.leaf_counts,
+      "compile_rounds": args.compile_rounds,
       "steps": args.steps,
       "window_s": args.window,
       "compile_repeats": args.compile_repeats,
@@ -335,6 +456,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
       "leaves": sizes[0]["leaves"],
     },
   }
+  if not args.no_compile_time:
+    log("compile time against leaf count")
+    label = report.size_label(args.compile_tree)
+    shapes = opt_bench.param_shapes(args.compile_tree, args.layers)
+    results["compile_time"] = compile_time.run(
+      args.leaf_counts, args.compile_rounds, (label, shapes), log
+    )
   if not args.no_train:
     log("training step")
     results["train"] = train_benchmark(args)

@@ -4,7 +4,9 @@ Never timings: the machine is shared and the sizes are tiny. What must hold on
 any machine: every mpx step is host-sync free and compiles once per run (finite
 and skipped steps alike), and mpx's optimizer state is the inner Adam state
 plus a 4-byte master per low-precision parameter, nothing more than a few
-scalars.
+scalars. And the report's structure: a hand-written step per dtype, each mpx
+step's paired ratio to the one of its dtype, XLA's bytes accessed and scratch
+per parameter, the many-leaf tree, and compile time against leaf count.
 
 The benchmark runs in a subprocess with XLA's backend optimisation turned
 down, which only makes compilation quicker (this test compiles some twenty
@@ -26,17 +28,32 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "run.py"
 ALWAYS = (
   "optax adam fp32",
-  "hand-written (no safety)",
+  "hand-written fp16 (no safety)",
+  "hand-written bf16 (no safety)",
   "hand + cond (flag given)",
   "hand + check",
   "hand + cond",
   "hand + select",
   "mpx bf16",
   "mpx fp16",
-  "optax.apply_if_finite fp16",
 )
+# Always installed; left out of the many-leaf tree like every peer.
+OPTAX_PEER = "optax.apply_if_finite fp16"
 PEERS = ("jmp fp16", "flax DynamicScale fp16", "mixed-precision-for-JAX fp16")
 MPX = ("mpx bf16", "mpx fp16")
+# Each mpx step is held against the hand-written step of its own dtype.
+REFERENCE = {
+  "mpx bf16": "hand-written bf16 (no safety)",
+  "mpx fp16": "hand-written fp16 (no safety)",
+}
+COMPILE_VARIANTS = (
+  "optax adam fp32",
+  "hand-written bf16 (no safety)",
+  "hand bf16 + cond",
+  "mpx bf16",
+  "mpx fp16",
+)
+SMOKE_LEAF_COUNTS = (10, 30)  # benchmarks/run.py's --smoke leaf counts
 TRAIN_MODES = ("fp32 optax", "mpx bf16", "mpx fp16")
 # LossScaleState's scalars: loss_scale f32, three int32 counters, one bool.
 LOSS_SCALE_SCALARS = 4 + 3 * 4 + 1
@@ -69,6 +86,13 @@ def smoke(tmp_path_factory):
   return json.loads((out / "results.json").read_text()), proc.stdout, out
 
 
+def sizes(results):
+  """(the transformer-shaped size, the many-leaf tree): what --smoke runs."""
+  shaped, many = results["optimizer"]["sizes"]
+  assert not shaped["many_leaves"] and many["many_leaves"]
+  return shaped, many
+
+
 def test_writes_and_prints_the_report(smoke):
   results, stdout, out = smoke
   markdown = (out / "benchmarks.md").read_text()
@@ -79,27 +103,93 @@ def test_writes_and_prints_the_report(smoke):
     assert "](benchmarks.png)" in markdown
   for text in ("# Benchmarks", "| CPU |", "| cores |", "jax", "## 1. Optimizer step"):
     assert text in markdown
-  assert "## 2. Whole training step" in markdown
+  assert "## 2. Compile time against leaf count" in markdown
+  assert "## 3. Whole training step" in markdown
   assert results["machine"]["jax"] in markdown
 
 
 def test_every_variant_is_measured_or_explained(smoke):
   results, _, _ = smoke
-  (size,) = results["optimizer"]["sizes"]
+  shaped, many = sizes(results)
   for name in ALWAYS:
-    assert name in size["rows"], name
-  for name in PEERS:
-    assert name in size["rows"] or size["unavailable"][name], name
-  for row in size["rows"].values():
-    assert row["ms"] > 0 and row["x_base"] > 0
+    assert name in shaped["rows"], name
+    assert name in many["rows"], name
+  assert OPTAX_PEER in shaped["rows"]
+  for name in (*PEERS, OPTAX_PEER):
+    assert name in shaped["rows"] or shaped["unavailable"][name], name
+    # Left out of the many-leaf tree, and said so.
+    assert name not in many["rows"] and name in many["skipped_peers"], name
+  for size in (shaped, many):
+    for row in size["rows"].values():
+      assert row["ms"] > 0 and row["x_base"] > 0
   assert set(results["train"]["rows"]) == set(TRAIN_MODES)
+
+
+def test_many_leaf_tree(smoke):
+  results, stdout, _ = smoke
+  _, many = sizes(results)
+  assert many["leaves"] == results["settings"]["many_leaves"] > 1
+  assert many["label"].startswith(f"{many['leaves']} leaves (")
+  assert many["targets"]  # its speed targets are evaluated
+  assert f"{many['label']} paired" in stdout
+
+
+def test_mpx_steps_are_paired_with_the_hand_step_of_their_dtype(smoke):
+  results, stdout, _ = smoke
+  for size in sizes(results):
+    assert size["references"] == REFERENCE
+    for name, reference in REFERENCE.items():
+      row = size["rows"][name]
+      assert row["reference"] == reference
+      assert len(row["paired_rounds"]) == size["rounds"]
+      assert all(x > 0 for x in row["paired_rounds"])
+      assert row["x_hand_paired"] > 0 and row["x_hand"] > 0
+    # The other 16-bit rows carry the ratio-of-ratios to their dtype's hand step only.
+    assert size["rows"]["hand + cond"]["reference"] == REFERENCE["mpx fp16"]
+    assert size["rows"]["hand + cond"]["x_hand_paired"] is None
+    assert size["rows"]["optax adam fp32"]["reference"] is None
+  for name, reference in REFERENCE.items():
+    assert f"| {name} <= 1.05x {reference}, paired |" in stdout
+
+
+def test_xla_bytes_accessed_and_scratch_per_param(smoke):
+  results, stdout, _ = smoke
+  for size in sizes(results):
+    for name, row in size["rows"].items():
+      # XLA:CPU has a cost analysis: every step reads and writes its state.
+      assert row["accessed_bpp"] > 0, name
+      assert row["temp_bpp"] >= 0, name
+  assert "XLA B/param" in stdout and "temp B/param" in stdout
+  for name in MPX:
+    assert f"| {name} scratch <= 0.1 B/param |" in stdout
+
+
+def test_compile_time_against_leaf_count(smoke):
+  results, stdout, _ = smoke
+  compile_time = results["compile_time"]
+  trees = compile_time["trees"]
+  # The transformer-shaped tree first, then one tree per leaf count.
+  assert [t["leaves"] for t in trees[1:]] == list(SMOKE_LEAF_COUNTS)
+  assert trees[0]["label"] == sizes(results)[0]["label"]
+  for tree in trees:
+    assert set(tree["rows"]) == set(COMPILE_VARIANTS)
+    for name, row in tree["rows"].items():
+      for key in ("trace_s", "lower_s", "compile_s", "total_s", "x_adam"):
+        assert row[key] > 0, (tree["label"], name, key)
+      assert len(row["totals_s"]) == compile_time["rounds"]
+    assert tree["rows"]["optax adam fp32"]["x_adam"] == 1
+    for name in ("mpx bf16", "mpx fp16"):
+      assert f"| compile, {tree['label']}" in stdout
+      assert f"{name} compile <= 2x optax adam fp32" in stdout
+  assert "| tree | variant | trace s | lower s | compile s | total s |" in stdout
 
 
 def test_no_host_syncs(smoke):
   results, _, _ = smoke
-  (size,) = results["optimizer"]["sizes"]
-  for name in (*ALWAYS, *MPX):
-    assert size["rows"][name]["host_syncs"] == 0, name
+  for size in sizes(results):
+    for name in ALWAYS:
+      assert size["rows"][name]["host_syncs"] == 0, name
+  assert sizes(results)[0]["rows"][OPTAX_PEER]["host_syncs"] == 0
   for mode, row in results["train"]["rows"].items():
     assert row["host_syncs"] == 0, mode
 
@@ -108,37 +198,37 @@ def test_one_compile_per_run(smoke):
   # Each run ends with one non-finite step for the variants that skip: it must
   # reuse the executable of the finite steps.
   results, _, _ = smoke
-  (size,) = results["optimizer"]["sizes"]
-  for name in MPX:
-    row = size["rows"][name]
-    assert (row["compiles"], row["traces"]) == (1, 1), name
+  for size in sizes(results):
+    for name in MPX:
+      row = size["rows"][name]
+      assert (row["compiles"], row["traces"]) == (1, 1), (size["label"], name)
   for mode, row in results["train"]["rows"].items():
     assert (row["compiles"], row["traces"]) == (1, 1), mode
 
 
 def test_the_forced_skip_was_skipped(smoke):
   results, _, _ = smoke
-  (size,) = results["optimizer"]["sizes"]
-  assert size["rows"]["mpx fp16"]["skipped_steps"] == 1
+  for size in sizes(results):
+    assert size["rows"]["mpx fp16"]["skipped_steps"] == 1, size["label"]
   train = results["train"]["rows"]["mpx fp16"]
   assert train["skipped_total"] == train["skipped"] + 1
 
 
 def test_mpx_state_is_adam_plus_a_master(smoke):
   results, _, _ = smoke
-  (size,) = results["optimizer"]["sizes"]
-  n = size["n"]
-  for name in MPX:
-    state = size["mpx_state"][name]
-    assert state["low_precision_params"] == n
-    assert state["masters"] == 4 * n, name
-    assert state["inner"] == size["adam_state_bytes"], name
-  assert size["mpx_state"]["mpx bf16"]["other"] == 0
-  assert size["mpx_state"]["mpx fp16"]["other"] == LOSS_SCALE_SCALARS
-  # The same seen per parameter, as the tables show it.
-  fp32 = size["rows"]["optax adam fp32"]["state_bpp"]
-  for name in MPX:
-    assert size["rows"][name]["state_bpp"] == pytest.approx(fp32 + 4, abs=64 / n)
+  for size in sizes(results):
+    n = size["n"]
+    for name in MPX:
+      state = size["mpx_state"][name]
+      assert state["low_precision_params"] == n
+      assert state["masters"] == 4 * n, name
+      assert state["inner"] == size["adam_state_bytes"], name
+    assert size["mpx_state"]["mpx bf16"]["other"] == 0
+    assert size["mpx_state"]["mpx fp16"]["other"] == LOSS_SCALE_SCALARS
+    # The same seen per parameter, as the tables show it.
+    fp32 = size["rows"]["optax adam fp32"]["state_bpp"]
+    for name in MPX:
+      assert size["rows"][name]["state_bpp"] == pytest.approx(fp32 + 4, abs=64 / n)
 
 
 def test_training_state_bytes(smoke):
