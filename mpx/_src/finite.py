@@ -1,7 +1,7 @@
 """``all_finite``: one on-device flag saying a tree holds no inf or NaN.
 
 The check runs on every step before any state is written, so its run time and
-its compile time are part of the step's. How it is computed follows from five
+its compile time are part of the step's. How it is computed follows from six
 measured facts about XLA (see docs/design.md):
 
 1. XLA:CPU never fuses an elementwise producer into a reduction:
@@ -11,14 +11,12 @@ measured facts about XLA (see docs/design.md):
    once, at full bandwidth, with no scratch.
 2. A sum is exact one way: inf and NaN propagate through addition, so a finite
    sum proves every element finite. Only a non-finite sum is ambiguous (finite
-   bfloat16 or float32 values may overflow), and only then, under a
+   values of a float32-range dtype may overflow), and only then, under a
    ``lax.cond``, is the exact ``sum(x - x)`` computed: ``x - x`` is 0 for
    every finite ``x`` and NaN for inf and NaN, so that sum never overflows.
-   float16 values (at most 65504) cannot overflow a float32 sum at all.
-3. XLA:CPU copies float16 to float32 before a sum, so large float16 leaves
-   (the loss-scaled path) are checked by AND-ing blocks of the leaf
-   elementwise and reducing only what is left (1/16 byte of scratch per
-   parameter); small ones are summed through the copy.
+3. XLA:CPU copies float16 to float32 before a sum, so float16 (and narrower)
+   leaves are checked elementwise: large ones by AND-ing blocks of the leaf
+   and reducing only what is left (1/16 byte of scratch per parameter).
 4. Facts 1 to 3 are about a single CPU device. With several devices, and on
    accelerators, every leaf is checked with the plain ``isfinite(x).all()``:
    accelerators fuse it, and sums or blocks would add collectives across
@@ -28,10 +26,16 @@ measured facts about XLA (see docs/design.md):
    one fusion that combines them, and its fusion pass scans that fusion once
    per reduction: compile time grew quadratically with the number of leaves
    (minutes at a thousand).
+6. Compile time grows with the number of kernels, so leaves of one shape share
+   kernels, a few at a time: their values are added (or their ``isfinite``
+   AND-ed) elementwise before one reduction. Model trees repeat shapes from
+   layer to layer. The fast sums group small leaves only: for a large leaf a
+   single-input sum is faster.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,9 +44,12 @@ import numpy as np
 
 from mpx._src import tree as tree_lib
 
-# A float16 leaf is folded when it has at least this many elements (fact 3).
+# float16 leaves are folded _FOLD_WIDTH-fold, twice where that leaves _MIN_FOLD_SIZE (fact 3).
 _FOLD_WIDTH = 16
 _MIN_FOLD_SIZE = _FOLD_WIDTH * 1024
+# Leaves below _SMALL elements share kernels, _GROUP of one shape at a time (fact 6).
+_GROUP = 16
+_SMALL = 1 << 16
 
 
 def all_finite(tree: tree_lib.PyTree) -> jax.Array:
@@ -77,18 +84,15 @@ def all_finite(tree: tree_lib.PyTree) -> jax.Array:
   on_device = [x for x in leaves if not isinstance(x, (np.ndarray, np.generic, float))]
   if not _single_cpu_device():
     return _all([jnp.isfinite(x).all() for x in on_device])
-  folded = [x for x in on_device if _folds(x)]
-  may_overflow = [x for x in on_device if not _folds(x) and _sum_may_overflow(x)]
-  exact = [x for x in on_device if not _folds(x) and not _sum_may_overflow(x)]
-  finite = _all([_folded_finite(jnp.reshape(x, -1)) for x in folded])
-  finite &= _all_finite_values([_sum(x) for x in exact])
-  if not may_overflow:
+  summed = [x for x in on_device if _float32_range(x)]
+  finite = _all(_elementwise_flags([x for x in on_device if not _float32_range(x)]))
+  if not summed:
     return finite
   # Taken only when some sum is inf or NaN: an overflow, or a non-finite element.
   return finite & jax.lax.cond(
-    _all_finite_values([_sum(x) for x in may_overflow]),
+    _all_finite_values(_sums(summed, lambda x: x, _SMALL)),
     lambda: jnp.asarray(True),
-    lambda: _all_finite_values([_sum(x - x) for x in may_overflow]),
+    lambda: _all_finite_values(_sums(summed, lambda x: jax.lax.sub(x, x), None)),
   )
 
 
@@ -114,21 +118,49 @@ def _all_finite_values(values: list[jax.Array]) -> jax.Array:
   )
 
 
-def _sum(x: jax.Array) -> jax.Array:
-  """The sum of ``x`` in float32, or in ``x``'s dtype where that is wider."""
-  return jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
-
-
-def _folds(x: jax.Array) -> bool:
-  """Large float16 (or narrower) leaves are folded: XLA:CPU would copy them to
-  float32 before a sum (fact 3 above)."""
-  return jnp.finfo(x.dtype).bits <= 16 and x.dtype != jnp.bfloat16 and x.size >= _MIN_FOLD_SIZE
-
-
-def _sum_may_overflow(x: jax.Array) -> bool:
-  """Whether finite values of ``x`` can sum to inf: those of a float32-range
-  dtype can; float16 values (at most 65504) cannot, in float32, in any number."""
+def _float32_range(x: jax.Array) -> bool:
+  """bfloat16, float32, float64: summed (fact 1), though finite values can
+  overflow the sum (fact 2). Narrower dtypes are checked elementwise (fact 3)."""
   return float(jnp.finfo(x.dtype).max) > 2.0**100
+
+
+def _groups(leaves: list[jax.Array], below: int | None) -> list[list[jax.Array]]:
+  """Leaves in groups of up to ``_GROUP`` of one shape and dtype, if they have
+  fewer than ``below`` elements (any, for None); larger leaves alone."""
+  groups: list[list[jax.Array]] = []
+  open_groups: dict[Any, list[jax.Array]] = {}
+  for x in leaves:
+    if below is not None and x.size >= below:
+      groups.append([x])
+      continue
+    group = open_groups.setdefault((x.shape, jnp.dtype(x.dtype)), [])
+    if not group:
+      groups.append(group)
+    group.append(x)
+    if len(group) == _GROUP:
+      del open_groups[(x.shape, jnp.dtype(x.dtype))]
+  return groups
+
+
+def _sums(
+  leaves: list[jax.Array], term: Callable[[jax.Array], jax.Array], below: int | None
+) -> list[jax.Array]:
+  """Per group, the sum of ``term(x)`` added elementwise over the group's
+  leaves, in float32 (or a wider dtype). Non-finite terms make it non-finite."""
+  sums = []
+  for group in _groups(leaves, below):
+    dtype = jnp.promote_types(group[0].dtype, jnp.float32)
+    total = term(group[0]).astype(dtype)
+    for x in group[1:]:
+      total = jax.lax.add(total, term(x).astype(dtype))  # lax: no nested jit per leaf
+    sums.append(jnp.sum(total))
+  return sums
+
+
+def _elementwise_flags(leaves: list[jax.Array]) -> list[jax.Array]:
+  """One flag per group of leaves of one shape, of any size (fact 6): folding
+  keeps what is reduced at 1/_FOLD_WIDTH of the group's predicates."""
+  return [_folded_finite(group) for group in _groups(leaves, None)]
 
 
 def _single_cpu_device() -> bool:
@@ -136,17 +168,28 @@ def _single_cpu_device() -> bool:
   return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
-def _folded_finite(flat: jax.Array) -> jax.Array:
-  """``isfinite(flat).all()`` with two elementwise folds of ``_FOLD_WIDTH``
-  contiguous blocks each before the reduction."""
-  block = flat.size // _FOLD_WIDTH
-  # Elements past the last whole block (fewer than _FOLD_WIDTH) are reduced apart.
-  ok = jnp.isfinite(flat[_FOLD_WIDTH * block :]).all()
+def _folded_finite(group: list[jax.Array]) -> jax.Array:
+  """``isfinite(x).all()`` for every leaf of a group of one shape.
+
+  ``_FOLD_WIDTH`` parts are AND-ed elementwise before anything is reduced: the
+  group's leaves, each cut into ``_FOLD_WIDTH // len(group)`` contiguous
+  blocks, so what is left to reduce is a 1/_FOLD_WIDTH of one leaf's
+  predicates (fact 3). A large leaf folds its result once more.
+  """
+  flats = [jnp.reshape(x, -1) for x in group]
+  blocks = max(1, _FOLD_WIDTH // len(flats))
+  block = flats[0].size // blocks
+  if block == 0:  # fewer elements than blocks
+    return _and_of_blocks([jnp.isfinite(flat) for flat in flats]).all()
   # isfinite is applied per block: XLA leaves one isfinite over the whole leaf
   # unfused, writing a predicate per element.
-  folded = _and_of_blocks([jnp.isfinite(part) for part in _blocks(flat, block)])
-  if block >= _MIN_FOLD_SIZE:
-    inner = block // _FOLD_WIDTH
+  parts = [jnp.isfinite(flat[i * block : (i + 1) * block]) for flat in flats for i in range(blocks)]
+  folded = _and_of_blocks(parts)
+  ok = jnp.asarray(True)
+  if blocks * block < flats[0].size:  # fewer than `blocks` elements past the last block
+    ok = _and_of_blocks([jnp.isfinite(flat[blocks * block :]) for flat in flats]).all()
+  if folded.size >= _MIN_FOLD_SIZE:
+    inner = folded.size // _FOLD_WIDTH
     ok &= folded[_FOLD_WIDTH * inner :].all()
     folded = _and_of_blocks(_blocks(folded, inner))
   return ok & folded.all()

@@ -282,13 +282,21 @@ def _step_on_masters(
     validation.check_state_types_kept("mixed_precision", new_inner, inner_state)
     flat_updates = leaves.treedef.flatten_up_to(inner_updates)
     new_masters = [
-      m if tree_lib.no_master(m) else (m + u).astype(dtype)
+      m if tree_lib.no_master(m) else _add_in(dtype, m, u)
       for m, u in zip(masters, flat_updates, strict=True)
     ]
     hole_updates = [u for m, u in zip(masters, flat_updates, strict=True) if tree_lib.no_master(m)]
     return (new_masters, new_inner), hole_updates
 
   return step
+
+
+def _add_in(dtype: Any, master: jax.Array, update: Any) -> jax.Array:
+  """``(master + update).astype(dtype)``; lax where the dtypes agree, since
+  ``+`` on tracers traces as a nested jit at every leaf."""
+  if jnp.result_type(update) == master.dtype:
+    return jax.lax.add(master, update)
+  return (master + update).astype(dtype)
 
 
 def _rounded_update(new_master: jax.Array, param: Any, applied: jax.Array, dtype: Any) -> jax.Array:
