@@ -247,8 +247,10 @@ def _step_is_finite(
   for grad, master in zip(leaves.grads, leaves.masters, strict=True):
     if not tree_lib.is_floating(grad):
       continue
-    seen = grad if loss_scaled is None else loss_scaled.unscale(grad)
-    if not tree_lib.no_master(master) and tree_lib.float_bits(seen) > jnp.finfo(dtype).bits:
+    # Unscaled, a floating gradient is float32: no unscaling op just to ask.
+    bits = tree_lib.float_bits(grad) if loss_scaled is None else 32
+    if not tree_lib.no_master(master) and bits > jnp.finfo(dtype).bits:
+      seen = grad if loss_scaled is None else loss_scaled.unscale(grad)
       to_check.append(jnp.asarray(seen).astype(dtype))
     elif loss_scaled is None:
       to_check.append(grad)

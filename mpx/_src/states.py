@@ -90,4 +90,6 @@ def unscale_leaf(grad: Any, inverse_scale: jax.Array) -> Any:
   """``grad`` in float32 times ``inverse_scale`` if floating, else ``grad``."""
   if not tree_lib.is_floating(grad):
     return grad
-  return jnp.asarray(grad).astype(jnp.float32) * inverse_scale
+  grad = jnp.asarray(grad).astype(jnp.float32)
+  # lax, not `*`: jnp's operators trace as a nested jit at every leaf.
+  return jax.lax.mul(grad, jax.lax.broadcast_in_dim(inverse_scale, grad.shape, ()))
