@@ -13,6 +13,7 @@ import pytest
 from treecheck import tree_equal
 
 import mpx
+from mpx._src.loss_scale import ScaleRule
 
 
 def reference_scales(flags, *, init, growth, backoff, interval, min_scale, max_scale, hysteresis):
@@ -101,6 +102,52 @@ def test_scale_sequence_matches_the_documented_rule(hysteresis):
   assert scales == reference_scales(flags, hysteresis=hysteresis, **config)
   assert int(states[-1].skipped_steps) == flags.count(False)
   assert min(scales) == 4.0 and max(scales) == 256.0  # floor and cap both reached
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 4])
+def test_the_scale_rule_alone_matches_the_reference(hysteresis):
+  # ScaleRule.adjust is a pure function of (state, finite), tested on its own,
+  # scanned over a flag sequence, against the plain-Python model: the scale and
+  # every counter at every step.
+  config = dict(init=32.0, growth=4.0, backoff=0.25, interval=5, min_scale=0.5, max_scale=2.0**12)
+  rule = ScaleRule.dynamic(
+    init_scale=config["init"],
+    growth_factor=config["growth"],
+    backoff_factor=config["backoff"],
+    growth_interval=config["interval"],
+    min_scale=config["min_scale"],
+    max_scale=config["max_scale"],
+    hysteresis=hysteresis,
+  )
+  rng = np.random.default_rng(7 + hysteresis)
+  flags = list(rng.random(300) > 0.25) + [False] * 12 + [True] * 40
+
+  def body(state, finite):
+    state = rule.adjust(state, finite)
+    return state, state
+
+  _, states = jax.lax.scan(body, rule.initial_state(inner_state=()), jnp.asarray(flags))
+  assert np.asarray(states.loss_scale).tolist() == reference_scales(
+    flags, hysteresis=hysteresis, **config
+  )
+  tracker, streak, trackers, streaks = 0, 0, [], []
+  for finite in flags:
+    streak = 0 if finite else streak + 1
+    tracker = (tracker + 1) % config["interval"] if finite else 0
+    trackers.append(tracker)
+    streaks.append(streak)
+  assert np.asarray(states.growth_tracker).tolist() == trackers
+  assert np.asarray(states.overflow_streak).tolist() == streaks
+  assert np.asarray(states.skipped_steps).tolist() == np.cumsum(np.logical_not(flags)).tolist()
+  assert np.asarray(states.last_step_finite).tolist() == flags
+
+
+def test_a_static_rule_never_moves():
+  rule = ScaleRule.static(8.0)
+  state = rule.initial_state(inner_state=())
+  for finite in [False, True, True, False]:
+    state = rule.adjust(state, jnp.asarray(finite))
+    assert float(state.loss_scale) == 8.0
 
 
 def test_hand_computed_sequence():

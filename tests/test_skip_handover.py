@@ -194,12 +194,15 @@ def compiled_step(tx, params):
     (jnp.bfloat16, lambda: mpx.mixed_precision(optax.adam(1e-3))),
   ],
 )
-def test_no_float32_buffer_of_updates_or_gradients_per_step(dtype, make_tx):
+def test_no_float32_buffer_of_updates_or_gradients_per_step(dtype, make_tx, finite_check_form):
   # Updates computed after the cond fuse into apply_updates, and unscaling
-  # fuses into the update inside it: the step's scratch memory holds at most a
-  # predicate per element (the finite check), never 4 bytes per parameter.
-  shapes = {"a": (256, 512), "b": (512, 256), "c": (512,)}
+  # fuses into the update inside it: never 4 bytes of scratch per parameter.
+  # On one CPU device the check reads the leaves without a predicate per
+  # element (sums, folds): under 0.1 byte. With several devices it is the
+  # plain isfinite(x).all(), whose predicate is one byte per element.
+  shapes = {"a": (256, 512), "b": (512, 256), "c": (512,), "d": (512,)}
   params = {k: jnp.ones(s, dtype) for k, s in shapes.items()}
   n = sum(math.prod(s) for s in shapes.values())
   temp = compiled_step(make_tx(), params).memory_analysis().temp_size_in_bytes
-  assert temp <= 1.1 * n, f"{temp / n:.2f} bytes of scratch per parameter"
+  limit = 0.1 if finite_check_form == "one CPU device" else 1.1
+  assert temp <= limit * n, f"{temp / n:.3f} bytes of scratch per parameter"

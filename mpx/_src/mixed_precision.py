@@ -131,33 +131,11 @@ def mixed_precision(
   dtype = tree_lib.require_floating_dtype(dtype, "dtype")
   validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
-  master_bits = jnp.finfo(dtype).bits
-
-  def needs_master(leaf: Any) -> bool:
-    return tree_lib.is_floating(leaf) and tree_lib.float_bits(leaf) < master_bits
 
   def init_fn(params: optax.Params) -> MixedPrecisionState:
-    # Checked here, not at construction: x64 may be switched on in between.
-    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-      raise ValueError(
-        f"mixed_precision: dtype {dtype} needs jax_enable_x64 (JAX would truncate "
-        f"the masters to {jax.dtypes.canonicalize_dtype(dtype)})."
-      )
-    seed = _master_seed()
-
-    def make_master(leaf):
-      if not needs_master(leaf):
-        return optax.MaskedNode()
-      return jnp.asarray(seed(leaf)).astype(dtype)
-
-    masters = jax.tree.map(make_master, params)
+    masters = _make_masters(params, dtype)
     inner_state = inner.init(_master_view(masters, params))
-    if state_search.find_states(inner_state, LossScaleState):
-      raise ValueError(
-        "mixed_precision wraps a loss_scale: on an overflow its skip would roll "
-        "the loss-scale state back, so the scale could never back off. Nest them "
-        "the other way: mpx.loss_scale(mpx.mixed_precision(inner))."
-      )
+    _refuse_loss_scale_inside(inner_state)
     return MixedPrecisionState(master_params=masters, inner_state=inner_state)
 
   def update_fn(
@@ -169,7 +147,7 @@ def mixed_precision(
     **extra_args: Any,
   ) -> tuple[optax.Updates, MixedPrecisionState]:
     # 1. Validate (at trace time: costs the step nothing).
-    _check_update_inputs(updates, state, params, needs_master, init_fn)
+    _check_update_inputs(updates, state, params, dtype, init_fn)
     # 2. Align gradients, params and masters leaf by leaf.
     leaves = _Leaves.align(updates, params, state.master_params)
     # 3. Check: loss_scale's verdict if it handed one over, else the gradients.
@@ -191,11 +169,43 @@ def mixed_precision(
   return MixedPrecisionTransformation(init_fn, update_fn)
 
 
+def _needs_master(leaf: Any, dtype: Any) -> bool:
+  """Floating leaves narrower than the master dtype get a master copy."""
+  return tree_lib.is_floating(leaf) and tree_lib.float_bits(leaf) < jnp.finfo(dtype).bits
+
+
+def _make_masters(params: Any, dtype: Any) -> Any:
+  """A ``dtype`` copy of every param that needs one, ``MaskedNode`` elsewhere."""
+  # Checked here, not at construction: x64 may be switched on in between.
+  if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+    raise ValueError(
+      f"mixed_precision: dtype {dtype} needs jax_enable_x64 (JAX would truncate "
+      f"the masters to {jax.dtypes.canonicalize_dtype(dtype)})."
+    )
+  seed = _master_seed()
+
+  def make_master(leaf):
+    if not _needs_master(leaf, dtype):
+      return optax.MaskedNode()
+    return jnp.asarray(seed(leaf)).astype(dtype)
+
+  return jax.tree.map(make_master, params)
+
+
+def _refuse_loss_scale_inside(inner_state: Any) -> None:
+  if state_search.find_states(inner_state, LossScaleState):
+    raise ValueError(
+      "mixed_precision wraps a loss_scale: on an overflow its skip would roll "
+      "the loss-scale state back, so the scale could never back off. Nest them "
+      "the other way: mpx.loss_scale(mpx.mixed_precision(inner))."
+    )
+
+
 def _check_update_inputs(
   grads: Any,
   state: Any,
   params: Any,
-  needs_master: Callable[[Any], bool],
+  dtype: Any,
   init_fn: Callable[[Any], MixedPrecisionState],
 ) -> None:
   """Every input of ``update`` against the others, naming the leaf and the fix."""
@@ -217,7 +227,7 @@ def _check_update_inputs(
     )
 
   for path, master, param in validation.zip_leaves(state.master_params, params, mismatch):
-    if tree_lib.no_master(master) and needs_master(param):
+    if tree_lib.no_master(master) and _needs_master(param, dtype):
       raise ValueError(
         f"mixed_precision: param {path!r} is {validation.describe(param)} but the state "
         "holds no master for it (the state was initialised on wider params). "
