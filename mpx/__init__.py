@@ -19,6 +19,7 @@ from mpx._src.loss_scale import (
   static_loss_scale,
   unscale,
 )
+from mpx._src.masters import MixedPrecisionRemainderState, MixedPrecisionStochasticState
 from mpx._src.mixed_precision import (
   init_from_full_precision,
   master_params,
@@ -32,7 +33,9 @@ __version__ = "0.1.0"
 
 __all__ = [
   "LossScaleState",
+  "MixedPrecisionRemainderState",
   "MixedPrecisionState",
+  "MixedPrecisionStochasticState",
   "adjust",
   "all_finite",
   "cast_tree",

@@ -1,14 +1,16 @@
 """``mixed_precision``: high-precision master weights inside the optimizer state.
 
 The wrapped (inner) optax rule never sees a low-precision number: it is
-initialised and updated on the *master view* of the parameters, i.e. a
-``dtype`` master copy for every floating leaf narrower than ``dtype`` and the
+initialised and updated on the *master view* of the parameters, i.e. the
+``dtype`` master of every floating leaf narrower than ``dtype`` and the
 parameter itself for every other leaf. The updates returned move each
-low-precision parameter exactly onto its rounded master.
+low-precision parameter exactly onto its rounded master. How the masters are
+stored (a full copy, an exact 16-bit remainder, or not at all, with stochastic
+rounding) is the ``masters`` mode; :mod:`mpx._src.masters` holds what differs.
 
 One step, top to bottom (see docs/design.md): validate the inputs, align
-gradients, params and masters leaf by leaf, check the gradients, run the inner
-rule on the masters inside one ``lax.cond`` (masters and moments are then
+gradients, params and stored masters leaf by leaf, check the gradients, run
+the inner rule on the masters inside one ``lax.cond`` (what is stored is then
 written in place), and derive the rounded updates after the cond, where they
 fuse into ``optax.apply_updates``.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +28,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import skip, state_search, validation
+from mpx._src import masters as masters_lib
+from mpx._src import rounding, skip, state_search, validation
 from mpx._src import tree as tree_lib
 from mpx._src.finite import all_finite
+from mpx._src.masters import MixedPrecisionRemainderState, MixedPrecisionStochasticState
 from mpx._src.states import LossScaledGradients, LossScaleState, MixedPrecisionState
+
+_STATE_TYPES = {
+  "full": MixedPrecisionState,
+  "remainder": MixedPrecisionRemainderState,
+  "stochastic": MixedPrecisionStochasticState,
+}
+_ANY_STATE = tuple(_STATE_TYPES.values())
 
 
 class MixedPrecisionTransformation(optax.GradientTransformationExtraArgs):
@@ -41,77 +53,123 @@ class MixedPrecisionTransformation(optax.GradientTransformationExtraArgs):
   __slots__ = ()
 
 
+def _stored(state: Any) -> Any:
+  """The param-shaped tree a state stores: masters, remainders or keys."""
+  if isinstance(state, MixedPrecisionRemainderState):
+    return state.master_remainders
+  if isinstance(state, MixedPrecisionStochasticState):
+    return state.rounding_keys
+  return state.master_params
+
+
 @dataclasses.dataclass(frozen=True)
 class _Leaves:
-  """Gradients, params and masters of one step, aligned leaf for leaf (holes
-  included), with the structure to rebuild trees from lists."""
+  """One step's gradients, params and stored masters, aligned leaf for leaf
+  (``MaskedNode`` where a param has nothing stored), with each leaf's storage
+  kind and the structure to rebuild trees from lists."""
 
   treedef: Any
+  kinds: list[Any]
   grads: list[Any]
   params: list[Any]
-  masters: list[Any]
+  stored: list[Any]
 
   @classmethod
-  def align(cls, grads: Any, params: Any, masters: Any) -> _Leaves:
-    masters_flat, treedef = jax.tree.flatten(masters, is_leaf=tree_lib.no_master)
-    return cls(treedef, treedef.flatten_up_to(grads), treedef.flatten_up_to(params), masters_flat)
+  def align(cls, mode: str, dtype: Any, grads: Any, params: Any, stored: Any) -> _Leaves:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(stored, is_leaf=tree_lib.no_master)
+    params_flat = treedef.flatten_up_to(params)
+    kinds = [
+      masters_lib.kind_for(mode, p, dtype, tree_lib.path_str(path) or "<root>")
+      for (path, _), p in zip(flat, params_flat, strict=True)
+    ]
+    stored_flat = [s for _, s in flat]
+    return cls(treedef, kinds, treedef.flatten_up_to(grads), params_flat, stored_flat)
 
-  def master_view(self, masters: list[Any]) -> Any:
+  def master_view(self, stored: list[Any]) -> Any:
     """The masters where they exist, the params elsewhere, as a tree."""
-    return _master_view(self.treedef.unflatten(masters), self.treedef.unflatten(self.params))
-
-
-def _master_view(masters: Any, params: Any) -> Any:
-  """The masters where they exist, the params elsewhere."""
-  return jax.tree.map(
-    lambda m, p: p if tree_lib.no_master(m) else m, masters, params, is_leaf=tree_lib.no_master
-  )
+    view = [
+      p if isinstance(k, masters_lib.NoMaster) else k.view(s, p)
+      for k, s, p in zip(self.kinds, stored, self.params, strict=True)
+    ]
+    return self.treedef.unflatten(view)
 
 
 def mixed_precision(
   inner: optax.GradientTransformation,
   dtype: jax.typing.DTypeLike = jnp.float32,
+  *,
+  masters: str = "full",
+  seed: int = 0,
 ) -> MixedPrecisionTransformation:
   """Keeps ``dtype`` master weights and runs ``inner`` on them.
 
   Every floating parameter narrower than ``dtype`` (bf16, fp16, fp8 with the
-  default float32) gets a master copy in the optimizer state. Leaves already at
-  ``dtype`` or wider are updated directly, with no copy, and never downcast (f64
-  stays f64); non-floating leaves are left alone. ``inner`` is initialised and
-  updated on the master view, so its whole state is in ``dtype``.
+  default float32) has a master in the optimizer state. Leaves already at
+  ``dtype`` or wider are updated directly, with no master, and never downcast
+  (f64 stays f64); non-floating leaves are left alone. ``inner`` is
+  initialised and updated on the master view, so its whole state is in
+  ``dtype``.
 
   ``update`` casts the gradients to the master dtype, runs ``inner``, applies
-  its updates to the masters and returns, for each low-precision leaf,
-  ``round(new_master) - param`` in ``dtype``. Hence
-  ``optax.apply_updates(params, updates)`` lands every such leaf exactly on
-  ``new_master`` rounded to the leaf's dtype (saturating at its largest finite
-  value instead of overflowing to inf). The one exception is the exponent-gap
-  corner: when the rounded master is more than ``2**(p_dtype - p_leaf)`` times
-  smaller in magnitude than the current parameter (``2**16`` for bf16,
-  ``2**13`` for fp16, with ``p`` the significand bits), ``param + update`` is
-  itself rounded in ``dtype`` and the parameter lands within two ``dtype``
-  ulps of the parameter's old magnitude from the target (a property test
-  checks this bound). The master is exact
-  regardless, and the next update targets it again.
+  its updates to the masters and returns, for each low-precision leaf, the
+  update that lands it on its new master's rounding, in ``dtype``:
+  ``optax.apply_updates(params, updates)`` puts every such leaf exactly there.
+
+  How masters are stored (``masters``; see docs/concepts_masters.md):
+
+  - ``"full"`` (the default): a ``dtype`` copy, 4 bytes per parameter for
+    float32. A float16 (or fp8) param is its master rounded to nearest, ties
+    to even, saturating at its largest finite value instead of overflowing to
+    inf.
+  - ``"remainder"``: for bfloat16 params under float32 masters, only the low
+    16 bits of each master (an int16), 2 bytes per parameter: bfloat16 is the
+    top half of float32, so the param and its remainder *are* the master. The
+    master view is bitwise the float32 master ``"full"`` holds.
+  - ``"stochastic"``: no master at all. The bfloat16 param is updated in
+    float32 and rounded up or down at random, with probability proportional
+    to the distance, so small updates survive in expectation. The random bits
+    come from ``seed``, the leaf and element positions and a counter that
+    only applied steps advance: no host sync, the same bits under any
+    sharding.
+
+  Every bfloat16 param under float32 masters, in ``"full"`` and
+  ``"remainder"`` alike, is its master rounded to nearest with ties *away
+  from zero* (the rule a 16-bit remainder can encode), and a master beyond the
+  bfloat16 range saturates there. Where ``optax.apply_updates`` cannot land
+  the param on its target (a target more than ``2**16`` times smaller than
+  the param, so the float32 update itself rounds), the master moves to where
+  the param lands, so the two modes stay interchangeable bit for bit, whole
+  trajectories included; the move is bounded by the float32 rounding of the
+  update (a property test checks it). A float16 param in that corner lands
+  within two ``dtype`` ulps of its old magnitude from its target (``2**13``
+  times smaller) while its master stays exact; the next update targets it
+  again.
 
   A step whose gradients hold inf or NaN returns zero updates and leaves the
-  masters and the inner state bitwise unchanged (counts and schedules do not
-  advance). Wrap this in :func:`mpx.loss_scale` for fp16, which also backs the
-  loss scale off on such steps.
+  stored masters and the inner state bitwise unchanged (counts, schedules and
+  the random-bit counter do not advance). Wrap this in :func:`mpx.loss_scale`
+  for fp16, which also backs the loss scale off on such steps.
 
   Args:
     inner: the optax rule to run in high precision, e.g. ``optax.adamw(3e-4)``
       or an ``optax.chain``.
     dtype: the floating dtype of the masters and of the inner rule.
+    masters: ``"full"``, ``"remainder"`` or ``"stochastic"``.
+    seed: the seed of the random bits in ``"stochastic"`` mode (an integer).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`MixedPrecisionState`. Its ``update`` requires ``params`` and
-    forwards extra keyword arguments to ``inner``; ``loss_scaled=`` is
-    reserved for the :func:`mpx.loss_scale` that wraps it.
+    :class:`MixedPrecisionState` (``"full"``),
+    ``MixedPrecisionRemainderState`` or ``MixedPrecisionStochasticState``.
+    Its ``update`` requires ``params`` and forwards extra keyword arguments to
+    ``inner``; ``loss_scaled=`` is reserved for the :func:`mpx.loss_scale`
+    that wraps it.
 
   Raises:
-    ValueError: if ``dtype`` is not a floating dtype.
+    ValueError: if ``dtype`` is not a floating dtype, ``masters`` is not a
+      mode, ``"remainder"`` or ``"stochastic"`` is asked with masters other
+      than float32, or (at ``init``) such a mode meets a narrow param other
+      than bfloat16: the message names the leaf.
     TypeError: if ``inner`` is not a gradient transformation.
 
   Example:
@@ -127,69 +185,118 @@ def mixed_precision(
     0.996
     >>> params["w"].dtype, float(params["w"][0])  # plain bf16 SGD stays at 1.0
     (dtype(bfloat16), 0.99609375)
+    >>> tx = mpx.mixed_precision(optax.sgd(1e-3), masters="remainder")
+    >>> state = tx.init({"w": jnp.ones(3, jnp.bfloat16)})
+    >>> state.master_remainders["w"].dtype  # 2 bytes per parameter, not 4
+    dtype('int16')
   """
   dtype = tree_lib.require_floating_dtype(dtype, "dtype")
+  mode = _check_mode(masters, dtype)
+  seed = _check_seed(seed)
   validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params: optax.Params) -> MixedPrecisionState:
-    masters = _make_masters(params, dtype)
-    inner_state = inner.init(_master_view(masters, params))
+  def init_fn(params: optax.Params) -> Any:
+    stored = _store(mode, dtype, seed, params)
+    leaves = _Leaves.align(mode, dtype, params, params, stored)
+    inner_state = inner.init(leaves.master_view(leaves.stored))
     _refuse_loss_scale_inside(inner_state)
-    return MixedPrecisionState(master_params=masters, inner_state=inner_state)
+    if mode == "full":
+      return MixedPrecisionState(master_params=stored, inner_state=inner_state)
+    if mode == "remainder":
+      return MixedPrecisionRemainderState(master_remainders=stored, inner_state=inner_state)
+    return MixedPrecisionStochasticState(stored, jnp.zeros((), jnp.int32), inner_state)
 
   def update_fn(
     updates: optax.Updates,
-    state: MixedPrecisionState,
+    state: Any,
     params: optax.Params | None = None,
     *,
     loss_scaled: LossScaledGradients | None = None,
     **extra_args: Any,
-  ) -> tuple[optax.Updates, MixedPrecisionState]:
+  ) -> tuple[optax.Updates, Any]:
     # 1. Validate (at trace time: costs the step nothing).
-    _check_update_inputs(updates, state, params, dtype, init_fn)
-    # 2. Align gradients, params and masters leaf by leaf.
-    leaves = _Leaves.align(updates, params, state.master_params)
+    _check_update_inputs(updates, state, params, mode, dtype, init_fn)
+    # 2. Align gradients, params and stored masters leaf by leaf.
+    leaves = _Leaves.align(mode, dtype, updates, params, _stored(state))
     # 3. Check: loss_scale's verdict if it handed one over, else the gradients.
     finite = _step_is_finite(leaves, loss_scaled, dtype)
     # 4. Step on the masters inside one cond: skipped, nothing is written.
     step = _step_on_masters(inner, dtype, leaves, loss_scaled, extra_args)
-    (new_masters, new_inner), hole_updates, applied = skip.apply_if_finite(
-      finite, step, (leaves.masters, state.inner_state), leaves.grads
+    (stored, new_inner, count), outs, applied = skip.apply_if_finite(
+      finite, step, (leaves.stored, state.inner_state, _count(state)), leaves.grads
     )
     # 5. Rounded updates, after the cond: they fuse into optax.apply_updates.
-    hole_updates = iter(hole_updates)
-    flat_updates = [
-      next(hole_updates) if tree_lib.no_master(m) else _rounded_update(m, p, applied, dtype)
-      for m, p in zip(new_masters, leaves.params, strict=True)
-    ]
-    new_state = MixedPrecisionState(leaves.treedef.unflatten(new_masters), new_inner)
+    outs = iter(outs)
+    flat_updates = []
+    for kind, s, p in zip(leaves.kinds, stored, leaves.params, strict=True):
+      if isinstance(kind, masters_lib.NoMaster):
+        flat_updates.append(next(outs))
+      else:
+        out = next(outs) if kind.emits_param else None
+        flat_updates.append(masters_lib.rounded_update(kind, s, out, p, applied, dtype))
+    fields = _stored_fields(state, leaves.treedef.unflatten(stored), count)
+    new_state = state._replace(inner_state=new_inner, **fields)
     return leaves.treedef.unflatten(flat_updates), new_state
 
   return MixedPrecisionTransformation(init_fn, update_fn)
 
 
-def _needs_master(leaf: Any, dtype: Any) -> bool:
-  """Floating leaves narrower than the master dtype get a master copy."""
-  return tree_lib.is_floating(leaf) and tree_lib.float_bits(leaf) < jnp.finfo(dtype).bits
+def _check_mode(masters: Any, dtype: Any) -> str:
+  if masters not in masters_lib.MODES:
+    raise ValueError(
+      f"mixed_precision: masters must be one of {', '.join(map(repr, masters_lib.MODES))}, "
+      f"got {masters!r}."
+    )
+  if masters != "full" and jnp.dtype(dtype) != jnp.float32:
+    raise ValueError(
+      f"mixed_precision: masters={masters!r} works on bfloat16 params under float32 "
+      f"masters; dtype is {jnp.dtype(dtype)}. Use masters='full' for other master dtypes."
+    )
+  return masters
 
 
-def _make_masters(params: Any, dtype: Any) -> Any:
-  """A ``dtype`` copy of every param that needs one, ``MaskedNode`` elsewhere."""
+def _check_seed(seed: Any) -> int:
+  try:
+    return operator.index(seed)
+  except TypeError as error:
+    raise ValueError(f"mixed_precision: seed must be an integer, got {seed!r}.") from error
+
+
+def _store(mode: str, dtype: Any, seed: int, params: Any) -> Any:
+  """What a mode stores for ``params``: the tree of masters, remainders or
+  random-bit keys, with ``MaskedNode`` where a param has nothing stored."""
   # Checked here, not at construction: x64 may be switched on in between.
   if jax.dtypes.canonicalize_dtype(dtype) != dtype:
     raise ValueError(
       f"mixed_precision: dtype {dtype} needs jax_enable_x64 (JAX would truncate "
       f"the masters to {jax.dtypes.canonicalize_dtype(dtype)})."
     )
-  seed = _master_seed()
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  source = _master_seed()
+  stored = []
+  for index, (path, param) in enumerate(flat):
+    kind = masters_lib.kind_for(mode, param, dtype, tree_lib.path_str(path) or "<root>")
+    if isinstance(kind, masters_lib.NoMaster):
+      stored.append(optax.MaskedNode())
+    elif isinstance(kind, masters_lib.Stochastic):
+      stored.append(jnp.asarray(rounding.leaf_key(seed, index)))
+    else:  # only a master takes the full-precision source of its param
+      stored.append(kind.store(param, source(param), dtype))
+  return treedef.unflatten(stored)
 
-  def make_master(leaf):
-    if not _needs_master(leaf, dtype):
-      return optax.MaskedNode()
-    return jnp.asarray(seed(leaf)).astype(dtype)
 
-  return jax.tree.map(make_master, params)
+def _count(state: Any) -> jax.Array | None:
+  return state.rounding_count if isinstance(state, MixedPrecisionStochasticState) else None
+
+
+def _stored_fields(state: Any, stored: Any, count: jax.Array | None) -> dict[str, Any]:
+  """The fields of ``state`` that hold what a step stores, as ``_replace`` takes them."""
+  if isinstance(state, MixedPrecisionRemainderState):
+    return {"master_remainders": stored}
+  if isinstance(state, MixedPrecisionStochasticState):
+    return {"rounding_keys": stored, "rounding_count": count}
+  return {"master_params": stored}
 
 
 def _refuse_loss_scale_inside(inner_state: Any) -> None:
@@ -205,39 +312,43 @@ def _check_update_inputs(
   grads: Any,
   state: Any,
   params: Any,
+  mode: str,
   dtype: Any,
-  init_fn: Callable[[Any], MixedPrecisionState],
+  init_fn: Callable[[Any], Any],
 ) -> None:
   """Every input of ``update`` against the others, naming the leaf and the fix."""
   if params is None:
     raise ValueError(
       "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
     )
-  if not isinstance(state, MixedPrecisionState):
+  expected_type = _STATE_TYPES[mode]
+  if not isinstance(state, expected_type):
     raise TypeError(
       "mixed_precision.update got a state of type "
-      f"{type(state).__name__}, not MixedPrecisionState: pass the state made "
+      f"{type(state).__name__}, not {expected_type.__name__}: pass the state made "
       "by this transformation's init."
     )
 
-  def mismatch(masters_def, params_def):
+  def mismatch(stored_def, params_def):
     return ValueError(
       "mixed_precision: params do not match the optimizer state (was the state "
-      f"made by init on another tree?).\n  state: {masters_def}\n  params: {params_def}"
+      f"made by init on another tree?).\n  state: {stored_def}\n  params: {params_def}"
     )
 
-  for path, master, param in validation.zip_leaves(state.master_params, params, mismatch):
-    if tree_lib.no_master(master) and _needs_master(param, dtype):
+  for path, stored, param in validation.zip_leaves(_stored(state), params, mismatch):
+    kind = masters_lib.kind_for(mode, param, dtype, path)
+    if tree_lib.no_master(stored) and not isinstance(kind, masters_lib.NoMaster):
       raise ValueError(
         f"mixed_precision: param {path!r} is {validation.describe(param)} but the state "
         "holds no master for it (the state was initialised on wider params). "
         "Re-initialise, or use mpx.init_from_full_precision to start "
         "low-precision training from full-precision weights."
       )
-    if not tree_lib.no_master(master) and np.shape(master) != np.shape(param):
+    has_shape = mode != "stochastic" and not tree_lib.no_master(stored)
+    if has_shape and np.shape(stored) != np.shape(param):
       raise ValueError(
         f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but "
-        f"its master has shape {list(np.shape(master))}."
+        f"its master has shape {list(np.shape(stored))}."
       )
   validation.check_state_like("mixed_precision", state, jax.eval_shape(init_fn, params))
   validation.check_grads_match_params("mixed_precision", grads, params)
@@ -254,12 +365,12 @@ def _step_is_finite(
   is also checked as cast to ``dtype``, which may overflow where it did not.
   """
   to_check = []
-  for grad, master in zip(leaves.grads, leaves.masters, strict=True):
+  for grad, kind in zip(leaves.grads, leaves.kinds, strict=True):
     if not tree_lib.is_floating(grad):
       continue
     # Unscaled, a floating gradient is float32: no unscaling op just to ask.
     bits = tree_lib.float_bits(grad) if loss_scaled is None else 32
-    if not tree_lib.no_master(master) and bits > jnp.finfo(dtype).bits:
+    if not isinstance(kind, masters_lib.NoMaster) and bits > jnp.finfo(dtype).bits:
       seen = grad if loss_scaled is None else loss_scaled.unscale(grad)
       to_check.append(jnp.asarray(seen).astype(dtype))
     elif loss_scaled is None:
@@ -275,30 +386,48 @@ def _step_on_masters(
   loss_scaled: LossScaledGradients | None,
   extra_args: dict[str, Any],
 ) -> Callable[..., tuple[Any, list[Any]]]:
-  """The applied branch: ``step((masters, inner_state), grads)`` returns the
-  new masters and inner state, and the updates of the leaves without a master
-  (only those leave the cond; the others are derived from the new masters)."""
+  """The applied branch: ``step((stored, inner_state, count), grads)`` returns
+  what is stored next and the inner state (and the random-bit count), and what
+  leaves the cond: the updates of leaves without a master, and the new params
+  of leaves whose new param is not derivable from what is stored."""
 
   def step(state, grads):
-    masters, inner_state = state
+    stored, inner_state, count = state
     # Unscaled and cast here, inside the cond, so the float32 copies fuse into
     # the update instead of entering the cond as buffers.
     if loss_scaled is not None:
       grads = [loss_scaled.unscale(g) for g in grads]
     grads = [
-      g if tree_lib.no_master(m) else g.astype(dtype) for g, m in zip(grads, masters, strict=True)
+      g if isinstance(k, masters_lib.NoMaster) else g.astype(dtype)
+      for g, k in zip(grads, leaves.kinds, strict=True)
     ]
+    view = leaves.master_view(stored)
     inner_updates, new_inner = inner.update(
-      leaves.treedef.unflatten(grads), inner_state, leaves.master_view(masters), **extra_args
+      leaves.treedef.unflatten(grads), inner_state, view, **extra_args
     )
     validation.check_state_types_kept("mixed_precision", new_inner, inner_state)
-    flat_updates = leaves.treedef.flatten_up_to(inner_updates)
-    new_masters = [
-      m if tree_lib.no_master(m) else _add_in(dtype, m, u)
-      for m, u in zip(masters, flat_updates, strict=True)
-    ]
-    hole_updates = [u for m, u in zip(masters, flat_updates, strict=True) if tree_lib.no_master(m)]
-    return (new_masters, new_inner), hole_updates
+    new_stored, outs = [], []
+    for kind, s, p, master, update in zip(
+      leaves.kinds,
+      stored,
+      leaves.params,
+      leaves.treedef.flatten_up_to(view),
+      leaves.treedef.flatten_up_to(inner_updates),
+      strict=True,
+    ):
+      if isinstance(kind, masters_lib.NoMaster):
+        new_stored.append(s)
+        outs.append(update)
+        continue
+      bits = None
+      if isinstance(kind, masters_lib.Stochastic):
+        bits = rounding.random_bits(s, count, np.shape(p))
+      s, out = kind.commit(_add_in(dtype, master, update), s, p, bits)
+      new_stored.append(s)
+      if kind.emits_param:
+        outs.append(out)
+    new_count = None if count is None else count + 1
+    return (new_stored, new_inner, new_count), outs
 
   return step
 
@@ -311,22 +440,33 @@ def _add_in(dtype: Any, master: jax.Array, update: Any) -> jax.Array:
   return (master + update).astype(dtype)
 
 
-def _rounded_update(new_master: jax.Array, param: Any, applied: jax.Array, dtype: Any) -> jax.Array:
-  """The update that moves ``param`` onto ``new_master`` rounded to its dtype
-  (saturating), zero on a skipped step."""
-  param = jnp.asarray(param)
-  target = tree_lib.saturating_cast(new_master, param.dtype)
-  delta = jax.lax.sub(target.astype(dtype), param.astype(dtype))
-  return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
+def _master_view_of(state: Any, params: Any) -> Any:
+  """``params`` with every leaf that ``state`` holds a master for replaced by
+  that master, in float32 (or the master dtype)."""
+  stored = _stored(state)
+
+  def leaf(s, p):
+    if tree_lib.no_master(s):
+      return p
+    if isinstance(state, MixedPrecisionRemainderState):
+      return rounding.join(jnp.asarray(p), s)
+    if isinstance(state, MixedPrecisionStochasticState):
+      return jnp.asarray(p).astype(jnp.float32)
+    return s
+
+  return jax.tree.map(leaf, stored, params, is_leaf=tree_lib.no_master)
 
 
 def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_lib.PyTree:
   """The full-precision view of the model held by ``opt_state``.
 
   Returns ``params`` with every leaf that has a master in some
-  :class:`MixedPrecisionState` of ``opt_state`` (at any depth: chain,
+  ``mixed_precision`` state of ``opt_state`` (at any depth: chain,
   ``MultiSteps``, ``inject_hyperparams``, ``partition``) replaced by that
-  master. Use it for evaluation, export and checkpoints. Where ``opt_state``
+  master, in every storage mode: the float32 copy (``"full"``), the param
+  joined with its remainder (``"remainder"``, bitwise the master ``"full"``
+  would hold), or the param in float32 (``"stochastic"``, which keeps no
+  master). Use it for evaluation, export and checkpoints. Where ``opt_state``
   holds no mixed-precision state, ``params`` is returned as is.
 
   Args:
@@ -344,9 +484,9 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
     {'b': 'float32', 'w': 'float32'}
   """
   result = params
-  for state in state_search.find_states(opt_state, MixedPrecisionState):
+  for state in state_search.find_states(opt_state, _ANY_STATE):
     try:
-      result = _master_view(state.master_params, result)
+      result = _master_view_of(state, result)
     except ValueError as error:
       raise ValueError("master_params: params do not match the masters in opt_state.") from error
   return result
@@ -403,12 +543,13 @@ def init_from_full_precision(
   """Starts low-precision training from full-precision weights, losing no bit.
 
   Casts ``params`` (e.g. FP32 weights restored from a checkpoint) to
-  ``param_dtype`` with :func:`mpx.cast_tree` (saturating: a weight beyond the
-  fp16 range becomes 65504, not inf) and initialises ``tx`` on the
-  result, but seeds every master copy from the *original* value, so each
-  master equals the checkpoint bit for bit (``tx.init`` on cast params could
-  only recover the rounded value). The inner rules are initialised on those
-  exact masters too.
+  ``param_dtype`` as their masters round (saturating: a weight beyond the
+  fp16 range becomes 65504, not inf; bfloat16 ties away from zero, as
+  :func:`mixed_precision` rounds) and initialises ``tx`` on the result, but
+  seeds every master from the *original* value, so each master equals the
+  checkpoint bit for bit (``tx.init`` on cast params could only recover the
+  rounded value), in ``masters="remainder"`` mode too. The inner rules are
+  initialised on those exact masters.
 
   Args:
     tx: the full transformation, containing one or more
@@ -435,7 +576,8 @@ def init_from_full_precision(
     (dtype(bfloat16), True)
   """
   validation.check_transformation(tx, "tx")
-  low = tree_lib.cast_tree(params, param_dtype, where, saturate=True)
+  param_dtype = tree_lib.require_floating_dtype(param_dtype, "dtype")
+  low = tree_lib.map_floating(params, lambda leaf: _cast_for_masters(leaf, param_dtype), where)
   low_with_paths, _ = jax.tree_util.tree_flatten_with_path(low)
   pairs = [
     (low_leaf, full_leaf, tree_lib.path_str(path))
@@ -456,6 +598,17 @@ def init_from_full_precision(
       f"full-precision bits would be lost: {', '.join(unused[:10])}"
       f"{' ...' if len(unused) > 10 else ''}. Wrap the rule for them in "
       "mpx.mixed_precision with a dtype wider than param_dtype, or keep them "
-      "in full precision with `where`."
+      "in full precision with `where`. (masters='stochastic' keeps no master: "
+      "cast with mpx.cast_tree and call tx.init.)"
     )
   return low, opt_state
+
+
+def _cast_for_masters(leaf: Any, param_dtype: Any) -> jax.Array:
+  """A full-precision leaf as the low-precision param its master rounds to:
+  bfloat16 by mpx's ties-away rule (see :mod:`mpx._src.rounding`), any other
+  dtype to nearest even, saturating."""
+  leaf = jnp.asarray(leaf)
+  if jnp.dtype(param_dtype) == jnp.bfloat16 and leaf.dtype != jnp.bfloat16:
+    return rounding.round_ties_away(rounding.canonical(leaf.astype(jnp.float32)))
+  return tree_lib.saturating_cast(leaf, param_dtype)

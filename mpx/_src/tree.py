@@ -143,17 +143,27 @@ def cast_tree(
   dtype = require_floating_dtype(dtype, "dtype")
 
   def cast(leaf):
-    if not is_floating(leaf):
-      return leaf
     return saturating_cast(leaf, dtype) if saturate else leaf.astype(dtype)
 
+  return map_floating(tree, cast, where)
+
+
+def map_floating(
+  tree: PyTree, fn: Callable[[Any], Any], where: LeafPredicate | PyTree | None = None
+) -> PyTree:
+  """``fn`` applied to the floating leaves of ``tree`` that ``where`` selects
+  (as in :func:`cast_tree`); every other leaf as it is."""
+
+  def apply(leaf):
+    return fn(leaf) if is_floating(leaf) else leaf
+
   if where is None:
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(apply, tree)
   if callable(where):
     return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: cast(leaf) if where(path_str(path), leaf) else leaf, tree
+      lambda path, leaf: apply(leaf) if where(path_str(path), leaf) else leaf, tree
     )
-  return jax.tree.map(lambda keep, sub: jax.tree.map(cast, sub) if keep else sub, where, tree)
+  return jax.tree.map(lambda keep, sub: jax.tree.map(apply, sub) if keep else sub, where, tree)
 
 
 def require_floating_dtype(dtype: Any, name: str) -> np.dtype:

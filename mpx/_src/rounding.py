@@ -1,0 +1,173 @@
+"""How a float32 value becomes a bfloat16 parameter, bit by bit.
+
+bfloat16 is the top half of float32: a float32 value's bit pattern is a
+bfloat16 pattern followed by 16 more bits. That makes two things cheap that
+are not for float16:
+
+- **Exact remainders.** A float32 master is its rounded bfloat16 param plus a
+  signed 16-bit remainder: ``master_bits = (param_bits << 16) + remainder``
+  (``join``). The rounding rule has to be one whose every outcome the
+  remainder can encode: round to nearest, ties away from zero (``param_bits =
+  (master_bits + 0x8000) >> 16``), which needs a remainder in [-0x8000,
+  0x7fff]. Round-to-nearest-even cannot work: it rounds some ties down, which
+  would need +0x8000. So mpx uses ties-away for every bfloat16 param with a
+  float32 master, whether the master is stored whole or as a remainder, and
+  the two storage modes stay bitwise interchangeable.
+- **Stochastic rounding.** Adding 16 uniform random bits to a float32 pattern
+  before keeping its top half rounds the magnitude up with probability
+  ``low_16_bits / 2**16``: the expected bfloat16 value is the float32 value.
+
+A master beyond the largest float32 whose nearest bfloat16 is finite
+(``0x7f7f7fff``, about 3.3962e38), inf included, is clipped to it, so a param
+saturates at the bfloat16 maximum instead of overflowing. A NaN master stays
+NaN (XLA makes only the canonical quiet NaN, whose top half is NaN too;
+gradients are checked finite before they reach a master). Subnormals become
+zero, as in all of XLA's float32 arithmetic on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+U32 = jnp.uint32
+# The largest float32 whose nearest bfloat16 (ties away) is finite, 0x7f7f7fff.
+_LIMIT = np.array(0x7F7F7FFF, np.uint32).view(np.float32)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, U32)
+
+
+def _float(bits: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _bf16(bits16: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits16.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _bf16_bits(param: jax.Array) -> jax.Array:
+  """A bfloat16 array's 16-bit patterns, widened to uint32."""
+  return jax.lax.bitcast_convert_type(param, jnp.uint16).astype(U32)
+
+
+def canonical(master: jax.Array) -> jax.Array:
+  """``master`` (float32) clipped to ``[-0x7f7f7fff, 0x7f7f7fff]``, inf
+  included: the largest magnitude whose bfloat16 rounding (ties away) is
+  finite, so that no master rounds to an infinite param. One use of
+  ``master``: it sits inside the update's fusion, and XLA materialises a
+  value its fusion would have to evaluate more than 15 times."""
+  return jax.lax.clamp(-_LIMIT, master, _LIMIT)
+
+
+def round_ties_away(master: jax.Array) -> jax.Array:
+  """The bfloat16 nearest a canonical float32 ``master``, ties away from zero."""
+  bits = _bits(master)
+  return _bf16(_shift_right(jax.lax.add(bits, _u32(0x8000, bits.shape)), 16))
+
+
+def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A canonical float32 ``master`` as ``(param, remainder)``: its bfloat16
+  rounding (ties away) and the int16 that ``join`` adds back."""
+  param = round_ties_away(master)
+  low = jax.lax.sub(_bits(master), _shift_left(_bf16_bits(param), 16))
+  remainder = jax.lax.bitcast_convert_type(low.astype(jnp.uint16), jnp.int16)
+  return param, remainder
+
+
+def join(param: jax.Array, remainder: jax.Array) -> jax.Array:
+  """The float32 master of a bfloat16 ``param`` and its int16 ``remainder``:
+  ``(param_bits << 16) + remainder``, modulo 2**32. Exact for every pair
+  ``split`` made."""
+  high = _shift_left(_bf16_bits(param), 16)
+  return _float(jax.lax.add(high, remainder.astype(jnp.int32).astype(U32)))
+
+
+def landing(param: jax.Array, target: jax.Array) -> jax.Array:
+  """Where ``optax.apply_updates(param, target - param)`` puts a bfloat16
+  ``param`` (the update in float32): ``target`` itself unless the two are so
+  far apart in magnitude (more than 2**16) that ``target - param`` rounds in
+  float32. Applied to what it returns, the same update lands exactly."""
+  param32 = param.astype(jnp.float32)
+  update = jax.lax.sub(target.astype(jnp.float32), param32)
+  return jax.lax.add(param32, update).astype(jnp.bfloat16)
+
+
+def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Elementwise bitwise equality of two bfloat16 arrays (NaN, -0 included)."""
+  as_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
+  return jax.lax.eq(as_bits(a), as_bits(b))
+
+
+def stochastic_round(value: jax.Array, random_bits: jax.Array) -> jax.Array:
+  """``value`` (float32) rounded to bfloat16 up or down at random: up in
+  magnitude with probability ``(value's low 16 bits) / 2**16``, using the low
+  16 of ``random_bits`` (uint32, uniform). Unbiased for every finite value
+  whose upward neighbour is finite; beyond that it saturates at the bfloat16
+  maximum, as it does for inf (see ``canonical``)."""
+  value = canonical(value)
+  bits, shape = _bits(value), value.shape
+  noise = jax.lax.bitwise_and(random_bits, _u32(0xFFFF, shape))
+  rounded = _shift_right(jax.lax.add(bits, noise), 16)
+  # Rounding up from the bfloat16 maximum would give inf: stay at the maximum.
+  magnitude = jax.lax.bitwise_and(rounded, _u32(0x7FFF, shape))
+  overflows = jax.lax.bitwise_and(
+    jax.lax.is_finite(value), jax.lax.eq(magnitude, _u32(0x7F80, shape))
+  )
+  return _bf16(jax.lax.select(overflows, _shift_right(bits, 16), rounded))
+
+
+def _shift_right(bits: jax.Array, by: int) -> jax.Array:
+  return jax.lax.shift_right_logical(bits, _u32(by, bits.shape))
+
+
+def _shift_left(bits: jax.Array, by: int) -> jax.Array:
+  return jax.lax.shift_left(bits, _u32(by, bits.shape))
+
+
+def leaf_key(seed: int, leaf: int) -> np.uint32:
+  """The uint32 key of one leaf's stream of random bits: a hash of ``seed``
+  and the leaf's position in the param tree."""
+  h = (seed ^ (leaf * 0x9E3779B9)) % 2**32
+  # _mix in Python integers: the key is a constant of the state, not traced.
+  h ^= h >> 16
+  h = (h * 0x85EBCA6B) % 2**32
+  h ^= h >> 13
+  h = (h * 0xC2B2AE35) % 2**32
+  return np.uint32(h ^ (h >> 16))
+
+
+def random_bits(key: jax.Array, count: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """uint32 random bits for every element of a leaf of ``shape``.
+
+  A counter-based hash of ``(key, count, element index)``: no state beyond
+  ``count``, no host sync, and the element index is the global one, so under
+  GSPMD every device draws the bits of its own elements and the result is the
+  same under any sharding.
+  """
+  index = jax.lax.full(shape, 0, U32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    term = jax.lax.mul(jax.lax.broadcasted_iota(U32, shape, axis), _u32(stride, shape))
+    index = jax.lax.add(index, term)
+    stride *= shape[axis]
+  step = _mix(jax.lax.add(jax.lax.mul(count.astype(U32), U32(0x85EBCA77)), U32(1)))
+  key = jax.lax.broadcast(_mix(jax.lax.bitwise_xor(key.astype(U32), step)), shape)
+  return _mix(jax.lax.add(jax.lax.mul(index, _u32(0x9E3779B9, shape)), key))
+
+
+def _u32(value: int, shape: tuple[int, ...]) -> jax.Array:
+  return jax.lax.full(shape, value % 2**32, U32)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser: a bijection that mixes every input bit
+  into every output bit."""
+  shape = h.shape
+  h = jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, _u32(16, shape)))
+  h = jax.lax.mul(h, _u32(0x85EBCA6B, shape))
+  h = jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, _u32(13, shape)))
+  h = jax.lax.mul(h, _u32(0xC2B2AE35, shape))
+  return jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, _u32(16, shape)))
