@@ -146,13 +146,13 @@ class Remainder:
 
   def commit(self, master: jax.Array, stored: Any, param: Any, bits: Any) -> tuple[Any, Any]:
     del stored, bits
-    master, new_param = _land(master, param)
+    master, _ = _land(master, param)
     _, remainder = rounding.split(master)
-    return remainder, new_param  # the new param leaves the cond: it is not state
+    return remainder, master  # the new master leaves the cond: it is not state
 
   def target(self, stored: Any, out: jax.Array, param: Any) -> jax.Array:
     del stored, param
-    return out
+    return rounding.round_ties_away(out)
 
   def master(self, stored: jax.Array, param: jax.Array) -> jax.Array:
     return rounding.join(param, stored)
