@@ -56,11 +56,26 @@ SEEDS = range(5) if tl.LONG else range(2)
 RATE, BURST = 0.03, 12  # 3% of steps poisoned at random, plus a burst of 12
 
 CONFIGS = {
-  "fp16-loss_scale": ("loss_scale", jnp.float16, tl.ScaleConfig()),
-  "fp16-static_loss_scale": ("static_loss_scale", jnp.float16, tl.ScaleConfig()),
-  "bf16-mixed_precision": ("mixed_precision", jnp.bfloat16, tl.ScaleConfig()),
+  "fp16-loss_scale": ("loss_scale", jnp.float16, tl.ScaleConfig(), "full"),
+  "fp16-static_loss_scale": ("static_loss_scale", jnp.float16, tl.ScaleConfig(), "full"),
+  "bf16-mixed_precision": ("mixed_precision", jnp.bfloat16, tl.ScaleConfig(), "full"),
   # Hysteresis 2: the scale backs off on the second overflow in a row only.
-  "bf16-loss_scale-hysteresis": ("loss_scale", jnp.bfloat16, tl.ScaleConfig(hysteresis=2)),
+  "bf16-loss_scale-hysteresis": ("loss_scale", jnp.bfloat16, tl.ScaleConfig(hysteresis=2), "full"),
+  # The compact storage modes, alone and under a dynamic scale.
+  "bf16-mixed_precision-remainder": (
+    "mixed_precision",
+    jnp.bfloat16,
+    tl.ScaleConfig(),
+    "remainder",
+  ),
+  "bf16-loss_scale-remainder": ("loss_scale", jnp.bfloat16, tl.ScaleConfig(), "remainder"),
+  "bf16-mixed_precision-stochastic": (
+    "mixed_precision",
+    jnp.bfloat16,
+    tl.ScaleConfig(),
+    "stochastic",
+  ),
+  "bf16-loss_scale-stochastic": ("loss_scale", jnp.bfloat16, tl.ScaleConfig(), "stochastic"),
 }
 
 
@@ -94,8 +109,8 @@ def reference_plan(plan, injected, scales_before, pin, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_poisoned_steps_are_skipped_as_if_never_taken(name, seed, finite_check_form):
-  stack, dtype, config = CONFIGS[name]
-  _, run = tl.compiled_run(stack, config)
+  stack, dtype, config, masters = CONFIGS[name]
+  _, run = tl.compiled_run(stack, config, masters)
   params = tl.init_params(seed, dtype)
   plan = tl.random_plan(seed, STEPS, RATE, BURST)
   injected = plan["kind"] != tl.NONE

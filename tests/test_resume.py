@@ -81,10 +81,11 @@ def checkpoint_steps(states, injected):
   return sorted(set(situations.values()) | every_tenth)
 
 
-def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path):
-  params = tl.init_params(tl.RESUME_SEED, tl.RESUME_DTYPE)
-  state = tl.resume_tx().init(params)
-  trajectory = [(params, state), *tl.resume_train(params, state, 0, tl.RESUME_STEPS)]
+@pytest.mark.parametrize("masters", list(tl.RESUME_DTYPES))
+def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path, masters):
+  params = tl.init_params(tl.RESUME_SEED, tl.RESUME_DTYPES[masters])
+  state = tl.resume_tx(masters).init(params)
+  trajectory = [(params, state), *tl.resume_train(params, state, 0, tl.RESUME_STEPS, masters)]
   injected = tl.resume_plan()["kind"] != tl.NONE
   states = [s for _, s in trajectory]
 
@@ -105,7 +106,8 @@ def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path):
   checkpointer.wait_until_finished()
 
   out = tmp_path / "resumed.pkl"
-  command = [sys.executable, str(HERE / "training_loop.py"), "resume", str(tmp_path), str(out)]
+  command = [sys.executable, str(HERE / "training_loop.py"), "resume", masters]
+  command += [str(tmp_path), str(out)]
   result = subprocess.run(
     [*command, *map(str, steps)],
     env=dict(os.environ),
@@ -125,6 +127,7 @@ def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path):
     # Every value, its dtype and the state's NamedTuple types survive.
     assert tree_equal(restored, {"params": params, "opt_state": state}), k
     assert isinstance(restored["opt_state"], mpx.LossScaleState)
+    assert type(restored["opt_state"].inner_state) is type(state.inner_state)  # the mode's state
     assert restored["opt_state"].last_step_finite.dtype == np.bool_
     # And the fresh process continues exactly as the uninterrupted run.
     assert len(resumed[k]["trajectory"]) == tl.RESUME_STEPS - k

@@ -34,7 +34,7 @@ import functools
 import os
 import pickle
 import sys
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,9 +105,10 @@ class ScaleConfig(NamedTuple):
 DEFAULT_CONFIG = ScaleConfig()
 
 
-def make_tx(stack: str, config: ScaleConfig = DEFAULT_CONFIG, inner=None):
-  """``stack``: "mixed_precision", "static_loss_scale" (scale 2**10) or "loss_scale"."""
-  mp = mpx.mixed_precision(inner_rule() if inner is None else inner)
+def make_tx(stack: str, config: ScaleConfig = DEFAULT_CONFIG, inner=None, masters: str = "full"):
+  """``stack``: "mixed_precision", "static_loss_scale" (scale 2**10) or
+  "loss_scale"; ``masters``: ``mixed_precision``'s storage mode."""
+  mp = mpx.mixed_precision(inner_rule() if inner is None else inner, masters=masters)
   if stack == "mixed_precision":
     return mp
   if stack == "static_loss_scale":
@@ -136,8 +137,9 @@ def reference_scales(flags, config: ScaleConfig) -> list[float]:
   return out
 
 
-def mp_state(state) -> mpx.MixedPrecisionState:
-  return state if isinstance(state, mpx.MixedPrecisionState) else state.inner_state
+def mp_state(state):
+  """The ``mixed_precision`` state, in any storage mode."""
+  return state.inner_state if isinstance(state, mpx.LossScaleState) else state
 
 
 def poison_grads(grads: dict, kind, leaf, elem, poison) -> dict:
@@ -175,7 +177,9 @@ def record(params, state) -> dict:
   ls = state if isinstance(state, mpx.LossScaleState) else None
   return {
     "params": params,
-    "masters": mp.master_params,
+    # The float32 view of the low-precision leaves (norm/scale has no master),
+    # in every storage mode; stochastic's is the params themselves.
+    "masters": {k: v for k, v in mpx.master_params(state, params).items() if k != "norm"},
     "inner": mp.inner_state,
     "scale": mpx.get_loss_scale(state),
     "skipped": jnp.int32(-1) if ls is None else ls.skipped_steps,
@@ -185,10 +189,10 @@ def record(params, state) -> dict:
 
 
 @functools.cache
-def compiled_run(stack: str, config: ScaleConfig = DEFAULT_CONFIG):
+def compiled_run(stack: str, config: ScaleConfig = DEFAULT_CONFIG, masters: str = "full"):
   """``(tx, run)``; ``run(params, xs)`` returns the records of the initial
   state followed by those after every step (leading axis ``steps + 1``)."""
-  tx = make_tx(stack, config)
+  tx = make_tx(stack, config, masters=masters)
 
   @jax.jit
   def run(params, xs):
@@ -253,7 +257,8 @@ def all_finite_np(tree) -> bool:
 # --- The resume scenario (test_resume.py and its fresh process). ---
 
 RESUME_SEED = 3
-RESUME_DTYPE = jnp.float16
+# The storage modes the resume test runs; remainder and stochastic are bf16 only.
+RESUME_DTYPES = {"full": jnp.float16, "remainder": jnp.bfloat16, "stochastic": jnp.bfloat16}
 RESUME_STEPS = 400 if LONG else 44
 # Non-default everywhere, so a lost setting would change the trajectory.
 RESUME_CONFIG = ScaleConfig(
@@ -268,13 +273,13 @@ RESUME_CONFIG = ScaleConfig(
 ADJUST_STEP, ADJUSTED_LR = 20, 5e-3  # mpx.adjust(learning_rate=...) before this step
 
 
-def resume_tx():
+def resume_tx(masters: str = "full"):
   inner = optax.chain(
     optax.clip_by_global_norm(1.0),
     optax.inject_hyperparams(optax.adamw)(learning_rate=3e-2, weight_decay=1e-3),
     optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, 1000, 0.1)),
   )
-  return make_tx("loss_scale", RESUME_CONFIG, inner=inner)
+  return make_tx("loss_scale", RESUME_CONFIG, inner=inner, masters=masters)
 
 
 def resume_plan() -> dict:
@@ -295,14 +300,14 @@ def resume_plan() -> dict:
 
 
 @functools.cache
-def resume_step():
-  tx = resume_tx()
+def resume_step(masters: str = "full"):
+  tx = resume_tx(masters)
   return jax.jit(lambda params, state, xs: train_step(tx, params, state, xs))
 
 
-def resume_train(params, state, start: int, stop: int) -> list[tuple[Any, Any]]:
+def resume_train(params, state, start: int, stop: int, masters: str = "full") -> list:
   """Steps ``start .. stop - 1``; returns ``(params, opt_state)`` after each."""
-  step, plan = resume_step(), resume_plan()
+  step, plan = resume_step(masters), resume_plan()
   out = []
   for t in range(start, stop):
     if t == ADJUST_STEP:
@@ -312,25 +317,26 @@ def resume_train(params, state, start: int, stop: int) -> list[tuple[Any, Any]]:
   return out
 
 
-def resume_template():
+def resume_template(masters: str = "full"):
   """The abstract ``{"params", "opt_state"}`` tree a fresh process restores into."""
-  params = init_params(RESUME_SEED, RESUME_DTYPE)
-  return jax.eval_shape(lambda p: {"params": p, "opt_state": resume_tx().init(p)}, params)
+  params = init_params(RESUME_SEED, RESUME_DTYPES[masters])
+  tx = resume_tx(masters)
+  return jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
 
 
-def _resume_main(ckpt_root: str, out_file: str, steps: list[int]) -> None:
+def _resume_main(masters: str, ckpt_root: str, out_file: str, steps: list[int]) -> None:
   import orbax.checkpoint as ocp
 
   checkpointer = ocp.StandardCheckpointer()
-  template = resume_template()
+  template = resume_template(masters)
   results = {}
   for k in steps:
     restored = checkpointer.restore(os.path.join(ckpt_root, f"step_{k}"), template)
-    trajectory = resume_train(restored["params"], restored["opt_state"], k, RESUME_STEPS)
+    trajectory = resume_train(restored["params"], restored["opt_state"], k, RESUME_STEPS, masters)
     results[k] = jax.device_get({"restored": restored, "trajectory": trajectory})
   with open(out_file, "wb") as f:
     pickle.dump(results, f)
 
 
-if __name__ == "__main__" and len(sys.argv) > 3 and sys.argv[1] == "resume":
-  _resume_main(sys.argv[2], sys.argv[3], [int(k) for k in sys.argv[4:]])
+if __name__ == "__main__" and len(sys.argv) > 4 and sys.argv[1] == "resume":
+  _resume_main(sys.argv[2], sys.argv[3], sys.argv[4], [int(k) for k in sys.argv[5:]])
