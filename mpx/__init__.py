@@ -27,6 +27,7 @@ from mpx._src.mixed_precision import (
 )
 from mpx._src.sharding import zero1_shardings
 from mpx._src.states import LossScaleState, MixedPrecisionState
+from mpx._src.sync import sync_masters
 from mpx._src.tree import cast_tree, select_tree
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __all__ = [
   "scale_loss",
   "select_tree",
   "static_loss_scale",
+  "sync_masters",
   "unscale",
   "zero1_shardings",
 ]

@@ -23,9 +23,9 @@ def adjust(opt_state: optax.OptState, **hyperparams: Any) -> optax.OptState:
   Every ``inject_hyperparams`` state in ``opt_state`` (at any depth: inside
   :func:`mpx.mixed_precision`, :func:`mpx.loss_scale`, chains, ``MultiSteps``,
   partitions) that has a hyperparameter of the given name gets the new value,
-  converted to the dtype and shape of the value it replaces. A jitted step
-  therefore sees the same abstract state and never recompiles, whether you
-  pass a Python float or an array.
+  converted to the dtype, shape and sharding of the value it replaces. A
+  jitted step therefore sees the same state (abstract values and shardings)
+  and never recompiles, whether you pass a Python float or an array.
 
   Args:
     opt_state: the optimizer state.
@@ -78,11 +78,16 @@ def adjust(opt_state: optax.OptState, **hyperparams: Any) -> optax.OptState:
     old = jnp.asarray(old)
     new = jnp.asarray(value, dtype=old.dtype)
     try:
-      return jnp.broadcast_to(new, old.shape)
+      new = jnp.broadcast_to(new, old.shape)
     except ValueError as error:
       raise ValueError(
         f"adjust: {name!r} has shape {old.shape}; got a value of shape {new.shape}."
       ) from error
+    # Where the old value lives (a mesh, under zero1_shardings), so the jitted
+    # step sees the same input sharding: no recompilation, no transfer.
+    if not isinstance(old, jax.core.Tracer) and not isinstance(new, jax.core.Tracer):
+      new = jax.device_put(new, old.sharding)
+    return new
 
   def set_values(state: Any) -> Any:
     if not any(name in state.hyperparams for name in hyperparams):

@@ -79,10 +79,22 @@ def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def join(param: jax.Array, remainder: jax.Array) -> jax.Array:
   """The float32 master of a bfloat16 ``param`` and its int16 ``remainder``:
-  ``(param_bits << 16) + remainder``, modulo 2**32. Exact for every pair
-  ``split`` made."""
+  ``(param_bits << 16) + remainder``. Exact for every pair ``split`` made.
+
+  ``split`` never pairs a zero param with a negative remainder; such a pair
+  (a param set to zero outside the optimizer) joins as if the remainder were
+  0, where the sum would wrap into a NaN pattern."""
+  low = jax.lax.select(wraps(param, remainder), jnp.zeros_like(remainder), remainder)
   high = _shift_left(_bf16_bits(param), 16)
-  return _float(jax.lax.add(high, remainder.astype(jnp.int32).astype(U32)))
+  return _float(jax.lax.add(high, low.astype(jnp.int32).astype(U32)))
+
+
+def wraps(param: jax.Array, remainder: jax.Array) -> jax.Array:
+  """Where ``(param_bits << 16) + remainder`` would wrap: a zero param (either
+  sign) with a negative remainder."""
+  magnitude = jax.lax.bitwise_and(_bf16_bits(param), _u32(0x7FFF, param.shape))
+  is_zero = jax.lax.eq(magnitude, _u32(0, param.shape))
+  return jax.lax.bitwise_and(is_zero, jax.lax.lt(remainder, jnp.zeros_like(remainder)))
 
 
 def landing(param: jax.Array, target: jax.Array) -> jax.Array:

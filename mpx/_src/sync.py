@@ -1,0 +1,107 @@
+"""``sync_masters``: masters that follow params edited outside the optimizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpx._src import rounding, state_search
+from mpx._src import tree as tree_lib
+from mpx._src.masters import MixedPrecisionRemainderState
+from mpx._src.states import MixedPrecisionState
+
+
+def sync_masters(opt_state: optax.OptState, params: tree_lib.PyTree) -> optax.OptState:
+  """Restarts the masters of params edited outside the optimizer.
+
+  ``mixed_precision`` moves each low-precision param onto the rounding of its
+  master, so an edit made after ``optax.apply_updates`` (a projection, a
+  pruning mask, weight surgery) would be undone by the next step. Call this
+  after the edit: every element whose param is no longer the rounding of its
+  master gets the param, widened, as its new master; every other element
+  keeps its master bit for bit. Masters are found at any depth of
+  ``opt_state`` (chain, ``MultiSteps``, ``inject_hyperparams``, partitions,
+  ``loss_scale``).
+
+  By storage mode:
+
+  - ``"full"``: as above, comparing bit patterns (an edit to ``-0.0`` or to
+    the other tie neighbour counts).
+  - ``"remainder"``: the master *is* the param plus its 16 low bits, so it
+    follows any edit by itself, to within half a bf16 ulp of the new param.
+    The only pairs an edit can break are a param set to zero with a negative
+    remainder; their remainder restarts at 0 (the master is then exactly the
+    param). Everything else is kept.
+  - ``"stochastic"``: there are no masters; the state is returned as is.
+
+  Args:
+    opt_state: a state containing :func:`mpx.mixed_precision` states.
+    params: the edited low-precision params, the tree the state was made for.
+
+  Returns:
+    The new state, of the same structure, dtypes and shardings. Jit-able.
+
+  Raises:
+    ValueError: if ``params`` does not match the masters' tree.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> params = {"w": jnp.array([0.5, -0.25], jnp.bfloat16)}
+    >>> tx = mpx.mixed_precision(optax.sgd(1e-3))
+    >>> state = tx.init(params)
+    >>> params = {"w": jnp.maximum(params["w"], 0)}  # a projection onto w >= 0
+    >>> state = mpx.sync_masters(state, params)
+    >>> state.master_params["w"].tolist()
+    [0.5, 0.0]
+  """
+
+  def sync(state: Any) -> Any:
+    if isinstance(state, MixedPrecisionRemainderState):
+      return state._replace(master_remainders=_each(state.master_remainders, params, _remainder))
+    return state._replace(master_params=_each(state.master_params, params, _master))
+
+  return state_search.replace_states(
+    opt_state, (MixedPrecisionState, MixedPrecisionRemainderState), sync
+  )
+
+
+def _each(stored: Any, params: Any, fn: Any) -> Any:
+  def leaf(s: Any, p: Any) -> Any:
+    if tree_lib.no_master(s):
+      return s
+    new = fn(s, jnp.asarray(p))
+    # Outside jit, keep the stored leaf's sharding object itself (an
+    # equivalent spec spelled differently would recompile a pinned step).
+    if not isinstance(new, jax.core.Tracer) and isinstance(s, jax.Array):
+      new = jax.device_put(new, s.sharding)
+    return new
+
+  try:
+    return jax.tree.map(leaf, stored, params, is_leaf=tree_lib.no_master)
+  except ValueError as error:
+    raise ValueError(
+      "sync_masters: params do not match the masters in opt_state (pass the "
+      "params the state was made for)."
+    ) from error
+
+
+def _master(master: jax.Array, param: jax.Array) -> jax.Array:
+  if param.dtype == jnp.bfloat16 and master.dtype == jnp.float32:
+    rounded = rounding.round_ties_away(rounding.canonical(master))
+  else:
+    rounded = tree_lib.saturating_cast(master, param.dtype)
+  kept = _same_bits(rounded, param)
+  return jnp.where(kept, master, param.astype(master.dtype))
+
+
+def _remainder(remainder: jax.Array, param: jax.Array) -> jax.Array:
+  return jnp.where(rounding.wraps(param, remainder), jnp.zeros_like(remainder), remainder)
+
+
+def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+  uint = jnp.dtype(f"uint{jnp.dtype(b.dtype).itemsize * 8}")
+  as_bits = lambda x: jax.lax.bitcast_convert_type(x.astype(b.dtype), uint)  # noqa: E731
+  return as_bits(a) == as_bits(b)
