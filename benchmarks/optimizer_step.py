@@ -11,7 +11,10 @@ shows the per-leaf costs.
 
 The mpx variants are also timed next to the hand-written step of their own
 dtype in every round (``Variant.paired``): the issue's speed targets are ratios
-to those steps.
+to those steps. mpx bf16 with remainder masters and with stochastic rounding
+(``masters="remainder"``, ``"stochastic"``) are timed next to mpx bf16 with
+full float32 masters instead (``Variant.pair_with``): their target is a ratio
+to it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ LR = 1e-3
 BASELINE = "optax adam fp32"
 HAND = "hand-written fp16 (no safety)"
 HAND_BF16 = "hand-written bf16 (no safety)"
+MPX_BF16 = "mpx bf16"
+MPX_REMAINDER = "mpx bf16 remainder"
+MPX_STOCHASTIC = "mpx bf16 stochastic"
 # The hand-written step each parameter dtype is held against.
 HAND_OF = {"float16": HAND, "bfloat16": HAND_BF16}
 
@@ -49,9 +55,18 @@ HAND_OF = {"float16": HAND, "bfloat16": HAND_BF16}
 # 2 + 4 + 8 read + 2 + 4 + 8 written = 28 as well (the old 16-bit param need
 # not be read). Skipping a non-finite step needs the finite verdict before any
 # byte is written, hence one more read of the 16-bit gradients: 30.
+#
+# The other storage modes of bf16 masters, derived the same way (checked):
+# remainder masters: read g 2, param 2, remainder 2, mu 4, nu 4; write param 2,
+# remainder 2, mu 4, nu 4 = 26 (the old param is read: it is half the master),
+# + 2 for the check = 28. Stochastic rounding, no master: read g 2, param 2,
+# mu 4, nu 4; write param 2, mu 4, nu 4 = 22, + 2 for the check = 24 (the random
+# bits come from a counter and a key per leaf, not from memory).
 MIN_BYTES_FP32 = 28
 MIN_BYTES_NO_CHECK = 28
 MIN_BYTES_CHECKED = 30
+MIN_BYTES_REMAINDER = 28
+MIN_BYTES_STOCHASTIC = 24
 
 
 # --- The parameter tree ---------------------------------------------------------------
@@ -150,6 +165,8 @@ class Variant:
     paired: time it, in every round, between two windows of the hand-written
       step of its own dtype (:data:`HAND_OF`), for a ratio to that step that
       does not go through the FP32 baseline.
+    pair_with: time it, in every round, between two windows of this variant
+      instead (the full-master mpx bf16 step for the other storage modes).
   """
 
   name: str
@@ -160,11 +177,17 @@ class Variant:
   skips: bool
   what: str
   paired: bool = False
+  pair_with: str | None = None
 
   @property
   def reference(self) -> str | None:
     """The hand-written step of its dtype (None for the FP32 baseline)."""
     return HAND_OF.get(self.param_dtype)
+
+  @property
+  def timed_next_to(self) -> str | None:
+    """The variant whose windows it is timed between in every round, if any."""
+    return self.pair_with or (self.reference if self.paired else None)
 
 
 def _adam() -> optax.GradientTransformation:
@@ -296,10 +319,22 @@ def _mpx_step(tx):
   return step
 
 
-def build_mpx_bf16(p32, g):
-  tx = mpx.mixed_precision(_adam())
-  params, opt = mpx.init_from_full_precision(tx, _copy(p32), BF16)
+def build_mpx_bf16(p32, g, masters="full"):
+  tx = mpx.mixed_precision(_adam(), masters=masters)
+  if masters == "stochastic":  # no master to seed: start from the rounded params
+    params = _copy(p32, BF16)
+    opt = tx.init(params)
+  else:
+    params, opt = mpx.init_from_full_precision(tx, _copy(p32), BF16)
   return _mpx_step(tx), (params, opt), g.bf16
+
+
+def build_mpx_bf16_remainder(p32, g):
+  return build_mpx_bf16(p32, g, "remainder")
+
+
+def build_mpx_bf16_stochastic(p32, g):
+  return build_mpx_bf16(p32, g, "stochastic")
 
 
 def build_mpx_fp16(p32, g):
@@ -521,14 +556,35 @@ VARIANTS = (
     "the hand step, then jnp.where(mpx.all_finite(grads), new, old) over params, masters, state",
   ),
   Variant(
-    "mpx bf16",
+    MPX_BF16,
     "mpx",
     "bfloat16",
     MIN_BYTES_CHECKED,
     build_mpx_bf16,
     True,
-    "mpx.mixed_precision(adam) on bf16 params",
+    "mpx.mixed_precision(adam) on bf16 params (full float32 masters)",
     paired=True,
+  ),
+  Variant(
+    MPX_REMAINDER,
+    "mpx",
+    "bfloat16",
+    MIN_BYTES_REMAINDER,
+    build_mpx_bf16_remainder,
+    True,
+    'mixed_precision(adam, masters="remainder") on bf16 params: int16 low bits of the '
+    "float32 masters",
+    pair_with=MPX_BF16,
+  ),
+  Variant(
+    MPX_STOCHASTIC,
+    "mpx",
+    "bfloat16",
+    MIN_BYTES_STOCHASTIC,
+    build_mpx_bf16_stochastic,
+    True,
+    'mixed_precision(adam, masters="stochastic") on bf16 params: no masters, stochastic rounding',
+    pair_with=MPX_BF16,
   ),
   Variant(
     "mpx fp16",
@@ -680,18 +736,28 @@ def state_bytes_per_param(variant: Variant, case: Case, n: int) -> float:
   return (total - sum(x.nbytes for x in jax.tree.leaves(params))) / n
 
 
-def mpx_state_overhead(case: Case, n_low: int) -> dict[str, int]:
-  """For an mpx case: bytes of the inner Adam state, of the masters, and of
-  everything else in its optimizer state (the test checks the last is a few
-  scalars)."""
+_MP_STATES = {
+  mpx.MixedPrecisionState: ("full", "master_params"),
+  mpx.MixedPrecisionRemainderState: ("remainder", "master_remainders"),
+  mpx.MixedPrecisionStochasticState: ("stochastic", "rounding_keys"),
+}
+
+
+def mpx_state_overhead(case: Case, n_low: int) -> dict[str, Any]:
+  """For an mpx case: bytes of the inner Adam state, of what stands for the
+  masters (float32 masters, int16 remainders, or one uint32 key of random bits
+  per leaf), and of everything else in its optimizer state (the test checks the
+  last is a few scalars: the loss scale, the random-bit counter)."""
   _, opt = case.state
-  is_mp = lambda x: isinstance(x, mpx.MixedPrecisionState)  # noqa: E731
+  is_mp = lambda x: isinstance(x, tuple(_MP_STATES))  # noqa: E731
   (mp_state,) = [x for x in jax.tree.leaves(opt, is_leaf=is_mp) if is_mp(x)]
-  masters, inner = mp_state.master_params, mp_state.inner_state
+  mode, field = _MP_STATES[type(mp_state)]
+  masters, inner = getattr(mp_state, field), mp_state.inner_state
   total = sum(x.nbytes for x in jax.tree.leaves(opt))
   master_bytes = sum(x.nbytes for x in jax.tree.leaves(masters))
   inner_bytes = sum(x.nbytes for x in jax.tree.leaves(inner))
   return {
+    "mode": mode,
     "total": int(total),
     "masters": int(master_bytes),
     "inner": int(inner_bytes),

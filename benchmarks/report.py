@@ -6,7 +6,14 @@ import math
 import pathlib
 from typing import Any
 
-from benchmarks.optimizer_step import BASELINE, HAND, HAND_BF16
+from benchmarks.optimizer_step import (
+  BASELINE,
+  HAND,
+  HAND_BF16,
+  MPX_BF16,
+  MPX_REMAINDER,
+  MPX_STOCHASTIC,
+)
 
 # Issue 10's targets. Speed and scratch hold at sizes of at least this many
 # params and on the many-leaf tree; compile time on every compile-time tree.
@@ -14,9 +21,47 @@ TARGET_MIN_PARAMS = 8 * 2**20
 TARGET_VS_HAND = 1.05  # mpx step time over the hand-written step of its dtype
 TARGET_SCRATCH_BPP = 0.1  # memory_analysis().temp_size_in_bytes per param
 TARGET_COMPILE_VS_ADAM = 2.0  # trace + lower + compile over plain optax adam's
-MPX_BF16 = "mpx bf16"
+# The storage modes' target: no slower than the full-master step, paired, at
+# the transformer-shaped sizes of at least TARGET_MIN_PARAMS (16M and 64M).
+TARGET_VS_FULL = 1.0
 MPX_FP16 = "mpx fp16"
 MPX_REFERENCES = ((MPX_BF16, HAND_BF16), (MPX_FP16, HAND))
+MPX_MODES = (MPX_REMAINDER, MPX_STOCHASTIC)
+_BF16 = (MPX_BF16, *MPX_MODES)  # mpx bf16 in each storage mode
+# AdamW (float32 moments) on 16-bit params, elsewhere: bytes per parameter of
+# the param and of the optimizer state, by construction (what each keeps per
+# parameter), not measured here.
+PEER_MEMORY = (
+  (
+    "PyTorch AMP / apex O2: float32 master copy",
+    2,
+    12,
+    "float32 master + m + v; `torch.autocast` keeps the float32 params themselves "
+    "as the masters (4 + 8 B)",
+  ),
+  (
+    "TransformerEngine FusedAdam, store_param_remainders=True",
+    2,
+    10,
+    "int16 low bits of the float32 master + float32 m + v",
+  ),
+  (
+    "torchao AdamW, bf16_stochastic_round=True",
+    2,
+    8,
+    "float32 m + v, no master; torchao allocates m and v in the param dtype by "
+    "default (4 B on bf16 params)",
+  ),
+  (
+    "Kahan summation (optimi), bf16 compensation, float32 moments",
+    2,
+    10,
+    "bf16 compensation buffer + float32 m + v; optimi allocates m, v and the "
+    "compensation in the param dtype by default (6 B on bf16 params)",
+  ),
+  ("plain FP32 Adam", 4, 8, "float32 m + v; the float32 params are their own masters"),
+)
+_PARAM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Lets Sphinx build docs/ with -W while no toctree lists the page yet.
 FRONT_MATTER = "---\norphan: true\n---\n\n"
 
@@ -91,6 +136,20 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
           _verdict(value, TARGET_VS_HAND, "{0:.1%}"),
         ]
       )
+    if not size.get("many_leaves"):
+      for name in MPX_MODES:
+        row = r.get(name)
+        if row is None:
+          continue
+        value = row.get("x_full_paired")
+        rows.append(
+          [
+            label,
+            f"{name} <= {TARGET_VS_FULL:.2f}x {MPX_BF16} (full masters), paired",
+            _f(value, ".3f") + "x",
+            _verdict(value, TARGET_VS_FULL, "{0:.1%}"),
+          ]
+        )
     for name, _ in MPX_REFERENCES:
       row = r.get(name)
       if row is None or row.get("temp_bpp") is None:
@@ -219,14 +278,16 @@ def optimizer_sections(results: dict[str, Any]) -> list[str]:
       "over the mean of those two windows."
     )
     out.append(table(header, rows, "ll" + "r" * (len(header) - 2)))
+  out += storage_modes_section(sizes, results["machine"]["device"].startswith("cpu"))
 
   # XLA's own view of every variant, at every size.
-  header = ["variant", "min B/param"]
+  big = _largest(sizes)
+  header = ["variant", "min B/param", "state B/param"]
   for size in sizes:
     header += [f"{size['label']} XLA B/param", f"{size['label']} temp B/param"]
   rows = []
   for v in variants:
-    row = [v["name"], str(v["min_bytes"])]
+    row = [v["name"], str(v["min_bytes"]), _f(_state_bpp(sizes, big, v["name"]))]
     for size in sizes:
       r = size["rows"].get(v["name"])
       if r is None:
@@ -241,16 +302,21 @@ def optimizer_sections(results: dict[str, Any]) -> list[str]:
     "compiled HLO stands, next to *min B/param*, the least the variant must move "
     "(28 for plain FP32 Adam and a step without a check, 30 for a checked one: float32 "
     "masters and moments read and written once, 16-bit params written, the 16-bit "
-    "gradients read once more for the finite verdict). A device-independent view of "
-    "fusion quality: every intermediate a fusion writes and the next reads back counts "
-    "twice. *temp "
+    "gradients read once more for the finite verdict; 28 with remainder masters, whose "
+    "bf16 param and int16 remainder are read and written in place of the float32 "
+    "master, and 24 with stochastic rounding, which keeps no master and reads and "
+    "writes the bf16 param). A device-independent view of fusion quality: every "
+    "intermediate a fusion writes and the next reads back counts twice. *state "
+    "B/param*: the optimizer state's bytes over the parameter count (masters or their "
+    "remainders, moments, counters, loss scale, random-bit keys; not the params), at "
+    f"{big['label']}. *temp "
     "B/param*: `memory_analysis().temp_size_in_bytes` over the parameter count, the "
     "scratch the step allocates beyond its donated buffers."
   )
-  out.append(table(header, rows, "lr" + "r" * (len(header) - 2)))
+  out.append(table(header, rows, "lrr" + "r" * (len(header) - 3)))
+  out += memory_section(results)
 
   # Bandwidth table at the largest size.
-  big = _largest(sizes)
   roof = big["roofline"]
   rows = []
   for v in variants:
@@ -394,6 +460,151 @@ def optimizer_sections(results: dict[str, Any]) -> list[str]:
     )
     out.append(table(["variant", "seconds", "x optax adam"], rows))
   return out
+
+
+def _state_bpp(sizes: list[dict[str, Any]], big: dict[str, Any], name: str) -> float | None:
+  """A variant's optimizer-state bytes per parameter at the largest size where
+  it ran (counters and keys weigh less the more params there are)."""
+  for size in [big, *sorted(sizes, key=lambda s: -s["n"])]:
+    row = size["rows"].get(name)
+    if row is not None:
+      return row.get("state_bpp")
+  return None
+
+
+_LEAVES_COND = {
+  MPX_REMAINDER: "remainder mode's new float32 master, split into param and remainder after it",
+  MPX_STOCHASTIC: "stochastic mode's new bf16 param, rounded inside it",
+}
+
+
+def _compared(ratio: float | None) -> str:
+  if ratio is None or math.isnan(ratio):
+    return "was not timed against"
+  return "is faster than" if ratio < 1 else "is slower than" if ratio > 1 else "is as fast as"
+
+
+def _more(row: dict[str, Any], than: dict[str, Any], key: str) -> bool:
+  """Whether ``row`` has at least a byte per parameter more of ``key``."""
+  a, b = row.get(key), than.get(key)
+  return a is not None and b is not None and a >= b + 1
+
+
+def storage_modes_section(sizes: list[dict[str, Any]], on_cpu: bool) -> list[str]:
+  """mpx bf16's remainder and stochastic modes against its full-master step,
+  and, at the largest size, what its HLO says about the difference."""
+  modes = [name for name in MPX_MODES if any(name in s["rows"] for s in sizes)]
+  if not modes:
+    return []
+  header = ["variant", "against"]
+  for size in sizes:
+    header += [f"{size['label']} x full", f"{size['label']} paired"]
+  rows = []
+  for name in modes:
+    cells = []
+    for size in sizes:
+      r = size["rows"].get(name)
+      if r is None:
+        cells += ["n/a", "n/a"]
+        continue
+      cells += [_f(r.get("x_full"), ".3f"), _f(r.get("x_full_paired"), ".3f")]
+    rows.append([name, MPX_BF16, *cells])
+  out = [
+    "### The storage modes of the masters, against full masters\n\n"
+    'mpx bf16 with `masters="remainder"` (an int16 remainder completes each bf16 param '
+    'to its float32 master: bitwise the same trajectory) and `masters="stochastic"` (no '
+    "master: the param is updated in float32 and rounded at random), against mpx bf16 "
+    "with full float32 masters. *x full*: the median over rounds of the variant's ratio "
+    "to FP32 Adam over mpx bf16's in the same round; *paired*: timed in every round "
+    "between two windows of mpx bf16, the median over rounds of the variant's time over "
+    "the mean of those two windows (the target: at most 1.00x at 16M and 64M).",
+    table(header, rows, "ll" + "r" * (len(header) - 2)),
+  ]
+  big = _largest(sizes)
+  r = big["rows"]
+  full = r.get(MPX_BF16)
+  if full is None:
+    return out
+  said = []
+  for name in modes:
+    row = r.get(name)
+    if row is None:
+      continue
+    paired = row.get("x_full_paired")
+    said.append(
+      f"{name} {_compared(paired)} the full-master step ({_f(paired, '.2f')}x, paired), with "
+      f"{_f(row.get('temp_bpp'), '.1f')} bytes of scratch per parameter and "
+      f"{_f(row.get('fresh_bpp'), '.1f')} fresh bytes touched per parameter per step"
+    )
+  if not said:
+    return out
+  text = (
+    f"At {big['label']}, measured in this run: "
+    + "; ".join(said)
+    + f"; the full-master step has {_f(full.get('temp_bpp'), '.1f')} bytes of scratch and "
+    f"{_f(full.get('fresh_bpp'), '.1f')} fresh bytes per parameter."
+  )
+  more = [name for name in modes if name in r and _more(r[name], full, "temp_bpp")]
+  if more:
+    text += (
+      " The extra scratch is the value that leaves the skip `lax.cond` ("
+      + "; ".join(_LEAVES_COND[name] for name in more)
+      + ")"
+    )
+    if on_cpu:
+      text += (
+        ": XLA:CPU has no multi-output fusion, so that value gets a buffer of its "
+        "own instead of being written into a donated one, where the full mode "
+        "updates its master in place"
+      )
+    fresh = [name for name in more if _more(r[name], full, "fresh_bpp")]
+    if fresh:
+      text += (
+        f"; {' and '.join(fresh)} map{'s' if len(fresh) == 1 else ''} it afresh on "
+        "every step (the fresh bytes above: pages the kernel zeroes)"
+      )
+    text += "."
+  ratios = [r[name].get("x_full_paired") for name in modes if name in r]
+  if ratios and all(x is not None and x > 1 for x in ratios):
+    text += " In this run, fewer bytes of state did not make the step faster."
+  out.append(text)
+  return out
+
+
+def memory_section(results: dict[str, Any]) -> list[str]:
+  """Optimizer-state bytes per parameter: mpx's modes measured, peers' by construction."""
+  sizes = results["optimizer"]["sizes"]
+  big = _largest(sizes)
+  measured = [v for v in results["optimizer"]["variants"] if v["name"] in (BASELINE, *_BF16)]
+  rows = []
+  for v in measured:
+    state = _state_bpp(sizes, big, v["name"])
+    if state is None:
+      continue
+    param = _PARAM_BYTES.get(v["param_dtype"], 0)
+    rows.append(
+      [
+        v["name"],
+        str(param),
+        _f(state),
+        _f(param + state),
+        f"measured in this run, at {big['label']}",
+      ]
+    )
+  for name, param, state, how in PEER_MEMORY:
+    rows.append(
+      [name, str(param), str(state), str(param + state), f"by construction, not measured: {how}"]
+    )
+  return [
+    "### Memory: bytes per parameter, Adam(W) on 16-bit params\n\n"
+    "*state*: optimizer state (masters or what stands for them, Adam's moments; "
+    "AdamW's state is the same); *param*: the trained parameter itself. The mpx rows "
+    "and plain FP32 Adam are measured (the bytes of the state's leaves over the "
+    "parameter count: a few counters and keys make the difference to a whole number); "
+    "the others are what each method keeps per parameter with float32 moments, by "
+    "construction, not measured here. Gradients and activations are not counted.",
+    table(["optimizer", "param B", "state B", "param + state B", "source"], rows, "lrrrl"),
+  ]
 
 
 def compile_time_section(compile_time: dict[str, Any]) -> list[str]:
@@ -645,7 +856,9 @@ METHOD = """\
   every round they run as baseline, hand step, mpx step, hand step, baseline, and
   their *paired* ratio for the round is `t_mpx / ((t_hand_before + t_hand_after) / 2)`
   (seconds per step of each window); reported is the median over rounds. The
-  hand step's extra windows count nowhere else.
+  hand step's extra windows count nowhere else. mpx bf16 with remainder masters
+  and with stochastic rounding are paired the same way with mpx bf16 (full
+  float32 masters) instead of the hand step.
 - Params, masters and optimizer state are donated (`donate_argnums=0`); gradients
   are fixed, finite arrays (fp16 ones made with a loss scale of 2**15).
 - Host syncs: after warm-up, steps run under `jax.transfer_guard("disallow")`;
@@ -705,7 +918,9 @@ def render_markdown(results: dict[str, Any], png_name: str | None) -> str:
       "(not tuned for). Speed: the median over rounds of each mpx step's time over "
       "the mean of the two windows of the hand-written step of its dtype timed just "
       "before and after it in the same round (*paired*, section 1), at 16M and 64M "
-      "params and on the many-leaf tree; scratch: `memory_analysis()"
+      "params and on the many-leaf tree; mpx bf16 with remainder masters and with "
+      "stochastic rounding: their time over that of mpx bf16 with full masters, paired "
+      "the same way, at 16M and 64M; scratch: `memory_analysis()"
       ".temp_size_in_bytes` per parameter; compile: trace + lower + compile over "
       f"plain optax Adam's, per leaf count (section 2). **{met} of {len(rows)} met.**"
     )
@@ -752,8 +967,10 @@ TICKS = {
   "hand + check": "hand\n+ check",
   "hand + cond": "hand\n+ cond",
   "hand + select": "hand\n+ select",
-  "mpx bf16": "mpx\nbf16",
+  MPX_BF16: "mpx\nbf16",
   "mpx fp16": "mpx\nfp16",
+  MPX_REMAINDER: "mpx bf16\nremainder",
+  MPX_STOCHASTIC: "mpx bf16\nstochastic",
   "jmp fp16": "jmp\nfp16",
   "flax DynamicScale fp16": "flax Dynamic-\nScale fp16",
   "mixed-precision-for-JAX fp16": "mixed-precision-\nfor-JAX fp16",

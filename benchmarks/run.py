@@ -5,11 +5,14 @@
    mixed-precision steps without safety (the references for the cost of
    safety; mpx bf16 and fp16 are also timed next to the one of their dtype in
    every round) and the fp16 one with the two ways to skip a step
-   (``lax.cond``, ``jnp.where``), mpx bf16 and fp16, and the peers' fp16 paths
-   (jmp, flax ``DynamicScale``, mixed-precision-for-JAX,
-   ``optax.apply_if_finite``); bytes per parameter and bandwidth against a
-   copy/axpy roofline measured in the same run; XLA's bytes accessed and
-   scratch per parameter; an HLO profile; compile time.
+   (``lax.cond``, ``jnp.where``), mpx bf16 and fp16, mpx bf16 with remainder
+   masters and with stochastic rounding (each also timed next to mpx bf16's
+   full-master step in every round), and the peers' fp16 paths (jmp, flax
+   ``DynamicScale``, mixed-precision-for-JAX, ``optax.apply_if_finite``);
+   optimizer-state bytes per parameter (beside the peers' by construction),
+   bytes moved and bandwidth against a copy/axpy roofline measured in the same
+   run; XLA's bytes accessed and scratch per parameter; an HLO profile; compile
+   time.
 2. Compile time against the number of leaves (``benchmarks/compile_time.py``).
 3. A whole training step of a small flax transformer: FP32 vs mpx bf16 vs mpx
    fp16, with optimizer-state bytes and peak memory.
@@ -23,7 +26,7 @@ Run from the repository root::
   python benchmarks/run.py --sizes 16M --rounds 9 --many-leaves 0 --no-compile-time
 
 At 64M parameters all optimizer-step variants and probes are alive at once:
-about 16 GiB of memory. ``--sizes 1M,16M`` needs a quarter of that.
+about 18 GiB of memory. ``--sizes 1M,16M`` needs a quarter of that.
 """
 
 from __future__ import annotations
@@ -173,8 +176,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [n for n in names if n not in known]
     if unknown:
       parser.error(f"unknown variants {unknown}; known: {sorted(known)}")
-    # A variant's ratio to the hand step of its dtype needs that step too.
-    references = [known[n].reference for n in names if known[n].reference]
+    # A variant's ratio to the hand step of its dtype needs that step too, and
+    # one timed next to another variant needs that one (and, in turn, its own).
+    references = []
+    for name in names:
+      variant = known[name]
+      while variant is not None:
+        references += [r for r in (variant.reference, variant.pair_with) if r]
+        variant = known.get(variant.pair_with)
     args.variants = tuple(dict.fromkeys((opt_bench.BASELINE, *names, *references)))
   return args
 
@@ -246,9 +255,7 @@ def optimizer_size(
     compile_times = common.compile_seconds([c for _, c in built], args.compile_repeats)
     log("  compile times measured")
   present = {c.name for _, c in built}
-  references = {
-    v.name: v.reference for v, _ in built if v.paired and v.reference in present and v.reference
-  }
+  references = {v.name: v.timed_next_to for v, _ in built if v.timed_next_to in present}
   baseline = next(c for _, c in built if c.name == opt_bench.BASELINE)
   rounds = rounds_for(args, n)
   steps = common.steps_per_round(baseline, args.window, args.steps)
@@ -281,13 +288,20 @@ def optimizer_size(
     ms = times.median_ms(case.name)
     seconds = ms / 1e3
     reference = variant.reference if variant.reference in present else None
+    next_to = references.get(case.name)
+    full = variant.pair_with if variant.pair_with in present else None
     row = {
       "kind": variant.kind,
       "ms": ms,
       "x_base": times.ratio(case.name, opt_bench.BASELINE),
       "reference": reference,
       "x_hand": None if reference is None else times.ratio(case.name, reference),
-      "x_hand_paired": times.paired_ratio(case.name),
+      # The paired ratio to the variant it was timed next to in every round:
+      # the hand step of its dtype, or (pair_with) the full-master mpx step.
+      "paired_with": next_to,
+      "x_hand_paired": times.paired_ratio(case.name) if next_to == reference else None,
+      "x_full": None if full is None else times.ratio(case.name, full),
+      "x_full_paired": times.paired_ratio(case.name) if full and next_to == full else None,
       "paired_rounds": times.paired.get(case.name, []),
       "min_bytes": variant.min_bytes,
       "state_bpp": opt_bench.state_bytes_per_param(variant, case, n),
@@ -428,6 +442,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
       "param_dtype": v.param_dtype,
       "min_bytes": v.min_bytes,
       "what": v.what,
+      "pair_with": v.pair_with,
     }
     for v in opt_bench.VARIANTS
     if v.name in names
