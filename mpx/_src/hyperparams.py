@@ -50,7 +50,7 @@ def adjust(opt_state: optax.OptState, **hyperparams: Any) -> optax.OptState:
     >>> lr.dtype, round(float(lr), 8)
     (dtype('float32'), 0.0003)
   """
-  injected = state_search.find_states(opt_state, _INJECTED_STATES)
+  injected: list[Any] = state_search.find_states(opt_state, _INJECTED_STATES)
   if not injected:
     raise ValueError(
       "adjust: opt_state has no injectable hyperparameters. Build the rule with "

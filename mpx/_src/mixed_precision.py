@@ -76,7 +76,8 @@ class _Leaves:
 
   @classmethod
   def align(cls, mode: str, dtype: Any, grads: Any, params: Any, stored: Any) -> _Leaves:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(stored, is_leaf=tree_lib.no_master)
+    flat, structure = jax.tree_util.tree_flatten_with_path(stored, is_leaf=tree_lib.no_master)
+    treedef: Any = structure
     params_flat = treedef.flatten_up_to(params)
     kinds = [
       masters_lib.kind_for(mode, p, dtype, tree_lib.path_str(path) or "<root>")
@@ -272,7 +273,8 @@ def _store(mode: str, dtype: Any, seed: int, params: Any) -> Any:
       f"mixed_precision: dtype {dtype} needs jax_enable_x64 (JAX would truncate "
       f"the masters to {jax.dtypes.canonicalize_dtype(dtype)})."
     )
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  flat, structure = jax.tree_util.tree_flatten_with_path(params)
+  treedef: Any = structure
   source = _master_seed()
   stored = []
   for index, (path, param) in enumerate(flat):
@@ -484,7 +486,8 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
     {'b': 'float32', 'w': 'float32'}
   """
   result = params
-  for state in state_search.find_states(opt_state, _ANY_STATE):
+  states: list[Any] = state_search.find_states(opt_state, _ANY_STATE)
+  for state in states:
     try:
       result = _master_view_of(state, result)
     except ValueError as error:

@@ -44,7 +44,8 @@ def replace_states(
   def visit(node: Any) -> Any:
     if not isinstance(node, state_type):
       return node
-    inner = jax.tree.map(visit, tuple(node), is_leaf=lambda x: isinstance(x, state_type))
-    return replace(type(node)(*inner))
+    state: Any = node  # a NamedTuple of the given type(s)
+    inner = jax.tree.map(visit, tuple(state), is_leaf=lambda x: isinstance(x, state_type))
+    return replace(type(state)(*inner))
 
   return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, state_type))

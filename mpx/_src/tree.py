@@ -85,8 +85,8 @@ def select_tree(pred: jax.typing.ArrayLike, on_true: PyTree, on_false: PyTree) -
   pred = jnp.asarray(pred)
   if pred.shape != ():
     raise ValueError(f"select_tree needs a scalar predicate, got shape {pred.shape}.")
-  true_def = jax.tree.structure(on_true)
-  false_def = jax.tree.structure(on_false)
+  true_def: Any = jax.tree.structure(on_true)
+  false_def: Any = jax.tree.structure(on_false)
   if true_def != false_def:
     raise ValueError(
       f"select_tree needs two trees of one structure, got {true_def} and {false_def}."

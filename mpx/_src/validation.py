@@ -43,8 +43,8 @@ def zip_leaves(
   a hole in the other. If the structures differ, raises
   ``mismatch(first_treedef, second_treedef)``.
   """
-  first_def = jax.tree.structure(first, is_leaf=tree_lib.is_placeholder)
-  second_def = jax.tree.structure(second, is_leaf=tree_lib.is_placeholder)
+  first_def: Any = jax.tree.structure(first, is_leaf=tree_lib.is_placeholder)
+  second_def: Any = jax.tree.structure(second, is_leaf=tree_lib.is_placeholder)
   if first_def != second_def:
     raise mismatch(first_def, second_def)
   flat, _ = jax.tree_util.tree_flatten_with_path(first, is_leaf=tree_lib.is_placeholder)
