@@ -161,13 +161,49 @@ def test_hand_computed_sequence():
   assert [bool(s.last_step_finite) for s in states] == flags
 
 
-def test_growth_never_produces_inf():
-  big = float(np.finfo(np.float32).max) / 2
-  tx = mpx.loss_scale(
-    optax.sgd(0.1), init_scale=big, max_scale=float(np.finfo(np.float32).max), growth_interval=1
-  )
-  scales, _ = run_flags(tx, [True] * 3)
-  assert all(np.isfinite(scales)) and scales[-1] == float(np.finfo(np.float32).max)
+def test_growth_stops_at_the_cap_and_unscaling_stays_exact_there():
+  # At the highest cap allowed, 2**126, the reciprocal 2**-126 is still a
+  # normal float32: gradients unscale exactly instead of flushing to zero.
+  tx = mpx.loss_scale(optax.sgd(1.0), init_scale=2.0**124, max_scale=2.0**126, growth_interval=1)
+  scales, _ = run_flags(tx, [True] * 4)
+  assert list(scales) == [2.0**125, 2.0**126, 2.0**126, 2.0**126]
+  state = tx.init(jnp.zeros(2))
+  state = state._replace(loss_scale=jnp.float32(2.0**126))
+  updates, _ = tx.update(jnp.array([2.0**126, 3 * 2.0**120], jnp.float32), state)
+  np.testing.assert_array_equal(updates, [-1.0, -3 * 2.0**-6])
+
+
+@pytest.mark.parametrize(
+  ("setting", "value"),
+  [
+    ("max_scale", 2.0**127),
+    ("max_scale", float(np.finfo(np.float32).max)),
+    ("min_scale", 2.0**-127),
+    ("init_scale", 2.0**-130),
+  ],
+)
+def test_scales_whose_reciprocal_xla_would_flush_are_refused(setting, value):
+  settings = {"init_scale": 1.0, "min_scale": 2.0**-126, "max_scale": 2.0**126, setting: value}
+  if setting == "init_scale":
+    settings["min_scale"] = value
+  with pytest.raises(ValueError, match=rf"{setting} must be in \[2\*\*-126, 2\*\*126\]"):
+    mpx.loss_scale(optax.sgd(1.0), **settings)
+  with pytest.raises(ValueError, match=r"scale must be in \[2\*\*-126"):
+    mpx.static_loss_scale(optax.sgd(1.0), 2.0**127)
+
+
+def test_a_state_that_does_not_fit_the_settings_is_refused():
+  tx = mpx.loss_scale(optax.sgd(1.0), init_scale=8.0, min_scale=1.0, max_scale=64.0)
+  state = tx.init(jnp.zeros(2))
+  grads = jnp.ones(2)
+  for bad, message in [
+    (state._replace(loss_scale=jnp.float32(128.0)), r"loss_scale 128.0 is outside \[min_scale"),
+    (state._replace(growth_tracker=jnp.int32(2000)), r"growth_tracker 2000 is outside"),
+    (state._replace(skipped_steps=jnp.int32(-1)), r"a counter is negative"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      tx.update(grads, bad)
+  tx.update(grads, state)  # the state init made is fine
 
 
 def test_gradients_are_unscaled_in_float32_with_this_steps_scale():

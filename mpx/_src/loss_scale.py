@@ -75,9 +75,9 @@ class ScaleRule:
     hysteresis: int = 1,
   ) -> ScaleRule:
     """Validates the settings of :func:`mpx.loss_scale`, naming a bad one."""
-    init_scale = _positive_finite("init_scale", init_scale)
-    min_scale = _positive_finite("min_scale", min_scale)
-    max_scale = _positive_finite("max_scale", max_scale)
+    init_scale = _scale("init_scale", init_scale)
+    min_scale = _scale("min_scale", min_scale)
+    max_scale = _scale("max_scale", max_scale)
     growth_factor = _number("growth_factor", growth_factor)
     if not (math.isfinite(growth_factor) and growth_factor > 1.0):
       raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor}.")
@@ -97,8 +97,36 @@ class ScaleRule:
   @classmethod
   def static(cls, scale: float) -> ScaleRule:
     """A scale that never moves (factors 1, floor and cap at ``scale``)."""
-    scale = _positive_finite("scale", scale)
+    scale = _scale("scale", scale)
     return cls(scale, 1.0, 1.0, 1, scale, scale, 1)
+
+  def check_state(self, state: LossScaleState) -> None:
+    """Raises a ValueError if a concrete ``state`` could not come from this
+    rule (a scale outside ``[min_scale, max_scale]``, a growth tracker past
+    the interval, a negative counter): a state restored into the wrong
+    settings, or edited by hand. Traced states (under ``jit``) are not seen."""
+    fields = (state.loss_scale, state.growth_tracker, state.overflow_streak, state.skipped_steps)
+    if any(isinstance(x, jax.core.Tracer) for x in fields):
+      return
+    scale, tracker = float(state.loss_scale), int(state.growth_tracker)
+    problems = []
+    if not self.min_scale <= scale <= self.max_scale:
+      problems.append(
+        f"loss_scale {scale} is outside [min_scale, max_scale] = "
+        f"[{self.min_scale}, {self.max_scale}]"
+      )
+    if not 0 <= tracker < self.growth_interval:
+      problems.append(
+        f"growth_tracker {tracker} is outside [0, growth_interval) = [0, {self.growth_interval})"
+      )
+    if int(state.overflow_streak) < 0 or int(state.skipped_steps) < 0:
+      problems.append("a counter is negative")
+    if problems:
+      raise ValueError(
+        "loss_scale: the state does not fit this transformation's settings: "
+        + "; ".join(problems)
+        + ". Was it made by another loss_scale, or restored into different settings?"
+      )
 
   def initial_state(self, inner_state: optax.OptState) -> LossScaleState:
     return LossScaleState(
@@ -154,6 +182,23 @@ def _positive_finite(name: str, value: Any) -> float:
   return value
 
 
+# A scale's reciprocal must be a normal float32 (XLA flushes subnormals to zero,
+# so unscaling by 1/2**127 would zero every gradient), and so must the scale.
+_SCALE_RANGE = (2.0**-126, 2.0**126)
+
+
+def _scale(name: str, value: Any) -> float:
+  value = _positive_finite(name, value)
+  low, high = _SCALE_RANGE
+  if not low <= value <= high:
+    raise ValueError(
+      f"{name} must be in [2**-126, 2**126], got {value}: beyond it the scale or its "
+      "reciprocal is below float32's normal range, which XLA flushes to zero "
+      "(unscaled gradients would all become 0, or every step would be skipped)."
+    )
+  return value
+
+
 def _positive_int(name: str, value: Any) -> int:
   try:
     as_int = operator.index(value)
@@ -197,6 +242,7 @@ def _loss_scaling(
         f"loss_scale.update got a state of type {type(state).__name__}, not "
         "LossScaleState: pass the state made by this transformation's init."
       )
+    rule.check_state(state)
     if params is not None:
       validation.check_grads_match_params("loss_scale", updates, params)
     inverse_scale = _inverse(state.loss_scale)  # the scale this step's loss was multiplied by
@@ -290,8 +336,9 @@ def loss_scale(
     growth_factor: factor (> 1) applied after ``growth_interval`` finite steps.
     backoff_factor: factor in (0, 1) applied on overflow.
     growth_interval: number (>= 1) of consecutive finite steps before growth.
-    min_scale: floor of the scale (> 0).
-    max_scale: cap of the scale (finite).
+    min_scale: floor of the scale, at least ``2**-126``.
+    max_scale: cap of the scale, at most ``2**126`` (beyond, its reciprocal
+      is subnormal and XLA would flush the unscaled gradients to zero).
     hysteresis: number (>= 1) of consecutive non-finite steps before the
       scale backs off (Megatron's option; every such step is skipped anyway).
     axis_name: optional mapped axis name (or tuple of names) to agree on the
@@ -346,7 +393,7 @@ def static_loss_scale(
 
   Args:
     inner: the rule to feed unscaled float32 gradients.
-    scale: the loss scale (finite, > 0).
+    scale: the loss scale, in ``[2**-126, 2**126]``.
     axis_name: optional mapped axis name to agree on the finite decision.
 
   Returns:
