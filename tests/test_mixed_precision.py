@@ -224,8 +224,11 @@ def test_extra_args_reach_the_inner_rule():
   inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
   params = {"w": jnp.ones(2, jnp.bfloat16)}
   tx = mpx.loss_scale(mpx.mixed_precision(inner))
-  tx.update(params, tx.init(params), params, value=jnp.float32(3.0), key="k")
-  assert set(seen) == {"value", "key"} and float(seen["value"]) == 3.0
+  state = tx.init(params)
+  tx.update(params, state, params, value=jnp.float32(3.0), key="k")
+  # value= (L-BFGS's loss) comes from the scaled loss: loss_scale unscales it.
+  assert set(seen) == {"value", "key"} and seen["key"] == "k"
+  assert float(seen["value"]) == 3.0 / float(mpx.get_loss_scale(state))
   # A plain GradientTransformation inside does not receive (or choke on) them.
   plain = mpx.mixed_precision(optax.sgd(0.1))
   plain.update(params, plain.init(params), params, value=1.0)

@@ -237,14 +237,23 @@ def _loss_scaling(
     return rule.initial_state(inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    # L-BFGS's value= and grad= come from the scaled loss, like the gradients:
+    # unscaled here, so its line search compares them with value_fn's loss.
+    extra_args = {
+      name: _unscale_extra(value, _inverse(state.loss_scale))
+      if name in ("value", "grad")
+      else value
+      for name, value in extra_args.items()
+    }
     if not isinstance(state, LossScaleState):
       raise TypeError(
         f"loss_scale.update got a state of type {type(state).__name__}, not "
         "LossScaleState: pass the state made by this transformation's init."
       )
     rule.check_state(state)
-    if params is not None:
-      validation.check_grads_match_params("loss_scale", updates, params)
+    per_example = params is not None and validation.check_grads_match_params(
+      "loss_scale", updates, params
+    )
     inverse_scale = _inverse(state.loss_scale)  # the scale this step's loss was multiplied by
     finite = _finite_across(all_finite(_to_check(updates, inverse_scale, rule)), axis_name)
     if hands_over:
@@ -267,9 +276,18 @@ def _loss_scaling(
       new_inner, new_updates, _ = skip.apply_if_finite(
         finite, step, state.inner_state, updates, params
       )
+      if per_example:  # the inner rule must have reduced the leading axes
+        validation.check_updates_reduced("loss_scale", new_updates, params)
     return new_updates, rule.adjust(state, finite)._replace(inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unscale_extra(value: Any, inverse_scale: jax.Array) -> Any:
+  """Floating leaves of an extra argument, unscaled in float32 (or wider)."""
+  return jax.tree.map(
+    lambda leaf: unscale_leaf(leaf, inverse_scale) if tree_lib.is_floating(leaf) else leaf, value
+  )
 
 
 def _to_check(grads: tree_lib.PyTree, inverse_scale: jax.Array, rule: ScaleRule) -> Any:
@@ -328,6 +346,12 @@ def loss_scale(
   genuine infs from shrinking the scale to nothing (lower it if your fp16
   gradients exceed 65504 even unscaled); ``max_scale`` ``2**24`` as in Apex and
   MXNet.
+
+  Extra keyword arguments of ``update`` reach ``inner``. Those named
+  ``value`` and ``grad`` (what ``optax.lbfgs``'s line search takes) are
+  taken to come from the scaled loss, like the gradients, and are unscaled in
+  float32 first, so the line search compares them with the unscaled loss its
+  ``value_fn`` computes.
 
   Args:
     inner: the rule to feed unscaled float32 gradients, typically

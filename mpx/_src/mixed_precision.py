@@ -404,9 +404,12 @@ def _step_on_masters(
       for g, k in zip(grads, leaves.kinds, strict=True)
     ]
     view = leaves.master_view(stored)
+    extra = {name: _cast_like_grads(value, leaves, dtype) for name, value in extra_args.items()}
     inner_updates, new_inner = inner.update(
-      leaves.treedef.unflatten(grads), inner_state, view, **extra_args
+      leaves.treedef.unflatten(grads), inner_state, view, **extra
     )
+    # Per-example gradients (DP-SGD) pass validation only if reduced here.
+    validation.check_updates_reduced("mixed_precision", inner_updates, view)
     validation.check_state_types_kept("mixed_precision", new_inner, inner_state)
     new_stored, outs = [], []
     for kind, s, p, master, update in zip(
@@ -432,6 +435,23 @@ def _step_on_masters(
     return (new_stored, new_inner, new_count), outs
 
   return step
+
+
+def _cast_like_grads(value: Any, leaves: _Leaves, dtype: Any) -> Any:
+  """An extra argument shaped like the params (L-BFGS's ``grad=``), with every
+  leaf that has a master cast to ``dtype`` as the gradients are, so the inner
+  rule never sees a low-precision number. Anything else passes as it is."""
+  try:
+    flat = leaves.treedef.flatten_up_to(value)
+  except (ValueError, TypeError):
+    return value
+  if any(np.shape(v) != np.shape(p) for v, p in zip(flat, leaves.params, strict=True)):
+    return value
+  cast = [
+    v if isinstance(k, masters_lib.NoMaster) or not tree_lib.is_floating(v) else v.astype(dtype)
+    for v, k in zip(flat, leaves.kinds, strict=True)
+  ]
+  return leaves.treedef.unflatten(cast)
 
 
 def _add_in(dtype: Any, master: jax.Array, update: Any) -> jax.Array:

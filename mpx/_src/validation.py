@@ -52,16 +52,19 @@ def zip_leaves(
     yield tree_lib.path_str(path) or "<root>", a, b
 
 
-def check_grads_match_params(name: str, grads: Any, params: Any) -> None:
+def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
   """Gradients must have the params' structure, and every floating param a
   floating gradient of its shape (a broadcastable one would be silently
-  broadcast; an integer one would skip unscaling)."""
+  broadcast; an integer one would skip unscaling), or of its shape behind
+  leading axes: per-example gradients, as DP-SGD takes. Returns whether there
+  are such; the caller then checks the updates (``check_updates_reduced``)."""
 
   def mismatch(grads_def, params_def):
     return ValueError(
       f"{name}: gradients do not match params.\n  gradients: {grads_def}\n  params: {params_def}"
     )
 
+  per_example = False
   for path, grad, param in zip_leaves(grads, params, mismatch):
     if tree_lib.is_placeholder(param) or not tree_lib.is_floating(param):
       continue  # integer params take integer or float0 gradients
@@ -70,10 +73,37 @@ def check_grads_match_params(name: str, grads: Any, params: Any) -> None:
         f"{name}: gradient {path!r} is {tree_lib.leaf_dtype(grad)} but its param is "
         f"{tree_lib.leaf_dtype(param)}: the gradient of a floating param must be floating."
       )
-    if np.shape(grad) != np.shape(param):
+    grad_shape, shape = np.shape(grad), np.shape(param)
+    if grad_shape == shape:
+      continue
+    if len(grad_shape) > len(shape) and grad_shape[len(grad_shape) - len(shape) :] == shape:
+      per_example = True  # allowed if the inner rule reduces the leading axes
+      continue
+    raise ValueError(
+      f"{name}: gradient {path!r} has shape {list(grad_shape)} but its param has "
+      f"shape {list(shape)}."
+    )
+  return per_example
+
+
+def check_updates_reduced(name: str, updates: Any, params: Any) -> None:
+  """With per-example gradients, the inner rule must have reduced the
+  leading axes: every update of a floating param has that param's shape."""
+
+  def mismatch(updates_def, params_def):
+    return ValueError(
+      f"{name}: the inner rule's updates do not match params.\n  updates: {updates_def}"
+      f"\n  params: {params_def}"
+    )
+
+  for path, update, param in zip_leaves(updates, params, mismatch):
+    if tree_lib.is_floating(param) and np.shape(update) != np.shape(param):
       raise ValueError(
-        f"{name}: gradient {path!r} has shape {list(np.shape(grad))} but its param has "
-        f"shape {list(np.shape(param))}."
+        f"{name}: the gradient of {path!r} has leading axes beyond its param's shape "
+        f"{list(np.shape(param))}, and the inner rule did not reduce them (its update "
+        f"has shape {list(np.shape(update))}). Per-example gradients need a "
+        "rule that reduces them, such as optax.contrib.dpsgd; otherwise pass gradients "
+        "of the params' shapes."
       )
 
 
