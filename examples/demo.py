@@ -3,11 +3,19 @@
 A byte-level decoder-only transformer (``examples/lm.py``) learns to predict
 the Python standard library's own source (no download; split into train and
 validation by file). It is trained from one FP32 initialisation, on the same
-batches, in four modes; :func:`make_optimizer` is the only mode-specific code:
+batches, in six modes; :func:`make_optimizer` is the only mode-specific code:
 
 * ``fp32``: plain optax (AdamW, warmup and cosine decay to 0), the reference.
 * ``bf16+mpx``: bf16 params and compute with ``mpx.mixed_precision(adamw)``:
-  float32 master weights and Adam moments live in the optimizer state.
+  float32 master weights and Adam moments live in the optimizer state
+  (12 bytes per parameter).
+* ``bf16+mpx remainder``: the same with ``masters="remainder"``: only the low
+  16 bits of each float32 master are stored (an int16; the bf16 param is the
+  high half), 10 bytes per parameter. It must reproduce ``bf16+mpx`` bit for
+  bit: the same losses at every step, the same final params.
+* ``bf16 stochastic``: ``masters="stochastic"``: no master at all (8 bytes per
+  parameter, as FP32); each bf16 param is updated in float32 and rounded up or
+  down at random, so updates below half an ulp survive in expectation.
 * ``fp16+mpx+scale``: fp16 params and compute with
   ``mpx.loss_scale(mpx.mixed_precision(adamw))``, differentiating
   ``mpx.scale_loss(loss, opt_state)``.
@@ -28,12 +36,15 @@ Run from the repository root::
       --batch 64 --steps 5000 --lr 1e-3   # on a GPU
 
 It prints a table per mode and writes a plot (``--out``, default
-``demo_results/demo.png``). Except with ``--smoke`` (too small to mean
-anything) or ``--no-check``, it checks the outcome and exits with status 1
-unless both mpx modes end within ``--tolerance`` (relative) of the FP32
-validation loss and ``bf16 no masters`` ends more than ``--min-gap`` above it.
+``demo_results/demo.png``). Unless ``--no-check``, it checks the outcome and
+exits with status 1 unless ``bf16+mpx remainder`` is bitwise identical to
+``bf16+mpx`` (per-step losses, final params, validation loss), every mpx mode
+ends within ``--tolerance`` (relative) of the FP32 validation loss and ``bf16
+no masters`` ends more than ``--min-gap`` above it. With ``--smoke`` (too small
+to mean anything about losses) only the first, which holds at any size, is
+checked.
 
-Why mode 4 fails, and where it would not: an update below half a bf16 ulp of
+Why ``bf16 no masters`` fails, and where it would not: an update below half a bf16 ulp of
 its weight is rounded away, and the fraction of such updates grows as the
 learning rate shrinks (late in the cosine schedule, or a lower peak) and with
 weight decay, whose per-step shrink ``lr * wd`` is far below bf16's relative
@@ -67,12 +78,16 @@ from tqdm import tqdm
 
 import mpx
 
-MODES = ("fp32", "bf16+mpx", "fp16+mpx+scale", "bf16 no masters")
-MIXED = ("bf16+mpx", "fp16+mpx+scale")  # must match FP32 within --tolerance
+REMAINDER = "bf16+mpx remainder"  # must be bitwise identical to bf16+mpx
+STOCHASTIC = "bf16 stochastic"
 NO_MASTERS = "bf16 no masters"  # must be more than --min-gap worse than FP32
+MODES = ("fp32", "bf16+mpx", REMAINDER, STOCHASTIC, "fp16+mpx+scale", NO_MASTERS)
+MIXED = ("bf16+mpx", REMAINDER, STOCHASTIC, "fp16+mpx+scale")  # within --tolerance of FP32
 DTYPES = {
   "fp32": jnp.float32,
   "bf16+mpx": jnp.bfloat16,
+  REMAINDER: jnp.bfloat16,
+  STOCHASTIC: jnp.bfloat16,
   "fp16+mpx+scale": jnp.float16,
   NO_MASTERS: jnp.bfloat16,
 }
@@ -80,7 +95,7 @@ DTYPES = {
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """Everything that defines a run, shared by all four modes."""
+  """Everything that defines a run, shared by all modes."""
 
   model: lm.ModelConfig
   opt: lm.OptConfig
@@ -153,6 +168,19 @@ def make_optimizer(
     # Casts to bf16 and seeds the float32 masters with the exact FP32 weights
     # (tx.init on bf16 params could only recover rounded ones).
     return tx, lambda params: mpx.init_from_full_precision(tx, params, jnp.bfloat16, where)
+  if mode == REMAINDER:
+    # The same masters, stored as int16 remainders: the same seeding, bit for bit.
+    tx = mpx.mixed_precision(adamw, masters="remainder")
+    return tx, lambda params: mpx.init_from_full_precision(tx, params, jnp.bfloat16, where)
+  if mode == STOCHASTIC:
+    # No master to seed: the params start rounded, as without masters.
+    tx = mpx.mixed_precision(adamw, masters="stochastic", seed=settings.seed)
+
+    def init(params):
+      params = mpx.cast_tree(params, jnp.bfloat16, where)
+      return params, tx.init(params)
+
+    return tx, init
   if mode == "fp16+mpx+scale":
     # Loss scaling goes outside mixed_precision. PyTorch's growth_interval of
     # 2000 suits long runs; a shorter one lets this run show the scale grow,
@@ -184,6 +212,7 @@ class Result:
   state_bytes_per_param: float
   skipped_steps: int | None
   loss_scale: float | None
+  params: Any  # the final params, on the host
   losses: np.ndarray  # per step
   scales: np.ndarray  # per step: the scale that step's loss was multiplied by
   finite: np.ndarray  # per step: whether it was applied
@@ -245,7 +274,7 @@ def train(mode: str, settings: Settings, data: dict[str, jax.Array], fp32_params
   }
 
   traces = []
-  bar = tqdm(total=steps, desc=f"{mode:<16}", unit="step", leave=True, file=sys.stderr)
+  bar = tqdm(total=steps, desc=f"{mode:<18}", unit="step", leave=True, file=sys.stderr)
 
   def collect(trace):
     trace = jax.tree.map(np.asarray, trace)
@@ -274,19 +303,29 @@ def train(mode: str, settings: Settings, data: dict[str, jax.Array], fp32_params
   # optax.tree.get finds mpx's state fields by name at any depth (None if absent).
   skipped = optax.tree.get(opt_state, "skipped_steps")
   scale = optax.tree.get(opt_state, "loss_scale")
-  state_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state))
   return Result(
     mode=mode,
     param_dtype=dtype.name,
     train_loss=float(losses[-chunk:].mean()),
     val_loss=float(validation_loss(model, params, data["valid"])),
     tokens_per_s=steps * batch * context / seconds,
-    state_bytes_per_param=state_bytes / lm.count_params(params),
+    state_bytes_per_param=state_bytes(opt_state) / lm.count_params(params),
     skipped_steps=None if skipped is None else int(skipped),
     loss_scale=None if scale is None else float(scale),
+    params=jax.tree.map(np.asarray, params),
     losses=losses,
     scales=scales,
     finite=finite,
+  )
+
+
+def state_bytes(opt_state: optax.OptState) -> int:
+  """Bytes of the floating and integer arrays in ``opt_state``: moments,
+  masters, remainders, rounding keys, counters and the loss scale."""
+  return sum(
+    x.nbytes
+    for x in jax.tree.leaves(opt_state)
+    if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)
   )
 
 
@@ -297,7 +336,7 @@ def validation_loss(model: lm.TransformerLM, params: Any, batches: jax.Array) ->
   The model is evaluated as trained, in the params' dtype: that is the model a
   mixed-precision run delivers (``mpx.master_params(opt_state, params)``
   would give the float32 masters instead). One compiled call per model and
-  dtype: the two bf16 modes share it.
+  dtype: the bf16 modes share it.
   """
   return jax.lax.map(lambda tokens: lm.token_losses(model, params, tokens).mean(), batches).mean()
 
@@ -324,14 +363,14 @@ def print_table(results: list[Result]) -> None:
   """One row per mode, FP32 (the first) as the reference."""
   reference = results[0]
   header = (
-    f"{'mode':<16}{'params':>9}{'train loss':>11}{'val loss':>9}{'vs fp32':>9}"
+    f"{'mode':<19}{'params':>9}{'train loss':>11}{'val loss':>9}{'vs fp32':>9}"
     f"{'tokens/s':>10}{'state B/param':>14}{'skipped':>8}{'loss scale':>11}"
   )
   print(header)
   print("-" * len(header))
   for r in results:
     print(
-      f"{r.mode:<16}{r.param_dtype:>9}{r.train_loss:>11.4f}{r.val_loss:>9.4f}"
+      f"{r.mode:<19}{r.param_dtype:>9}{r.train_loss:>11.4f}{r.val_loss:>9.4f}"
       f"{relative_gap(r, reference):>+9.2%}{r.tokens_per_s:>10,.0f}"
       f"{r.state_bytes_per_param:>14.2f}"
       f"{'-' if r.skipped_steps is None else r.skipped_steps:>8}"
@@ -344,11 +383,54 @@ def print_table(results: list[Result]) -> None:
   )
 
 
-def check(results: list[Result], tolerance: float, min_gap: float) -> bool:
-  """Prints an OK or FAIL line per claim; returns whether all hold."""
+def differences(result: Result, reference: Result) -> list[str]:
+  """What is not bitwise identical between two runs: per-step losses, final
+  params (dtype, shape and every bit), validation loss. Empty if nothing."""
+  found = []
+  losses, ref_losses = result.losses, reference.losses
+  if losses.dtype != ref_losses.dtype or losses.shape != ref_losses.shape:
+    found.append("training losses (not the same steps)")
+  elif losses.tobytes() != ref_losses.tobytes():
+    step = np.flatnonzero(losses.view(np.uint8) != ref_losses.view(np.uint8))[0] // losses.itemsize
+    found.append(f"training losses (first at step {step + 1})")
+  leaves, treedef = jax.tree.flatten(result.params)
+  ref_leaves, ref_treedef = jax.tree.flatten(reference.params)
+  if treedef != ref_treedef:
+    found.append("param tree structure")
+  else:
+    differ = sum(
+      a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes()
+      for a, b in zip(leaves, ref_leaves, strict=True)
+    )
+    if differ:
+      found.append(f"final params ({differ} of {len(leaves)} leaves)")
+  # Python floats from the same float32 compare exactly; NaN never equals.
+  if result.val_loss != reference.val_loss:
+    found.append(f"validation loss ({result.val_loss!r} vs {reference.val_loss!r})")
+  return found
+
+
+def check(results: list[Result], tolerance: float, min_gap: float, gaps: bool = True) -> bool:
+  """Prints an OK or FAIL line per claim; returns whether all hold.
+
+  ``bf16+mpx remainder`` must be bitwise identical to ``bf16+mpx``, at any
+  size. With ``gaps`` (not for the smoke size, too small to mean anything),
+  every mpx mode must also end within ``tolerance`` of the FP32 validation
+  loss, and ``bf16 no masters`` more than ``min_gap`` above it.
+  """
   by_mode = {r.mode: r for r in results}
+  found = differences(by_mode[REMAINDER], by_mode["bf16+mpx"])
+  ok = not found
+  if ok:
+    print(
+      f"OK: {REMAINDER} is bitwise identical to bf16+mpx (losses at all "
+      f"{by_mode[REMAINDER].losses.size} steps, final params, validation loss)"
+    )
+  else:
+    print(f"FAIL: {REMAINDER} differs from bf16+mpx: {'; '.join(found)}")
+  if not gaps:
+    return ok
   reference = by_mode["fp32"]
-  ok = True
   for mode in MIXED:
     gap = relative_gap(by_mode[mode], reference)
     good = gap <= tolerance
@@ -375,7 +457,7 @@ def smooth(x: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
-  """Writes the loss curves, their gap to FP32 and mode 3's loss scale to ``path``."""
+  """Writes the loss curves, their gap to FP32 and the fp16 loss scale to ``path``."""
   import matplotlib
 
   matplotlib.use("Agg")  # no display needed
@@ -386,11 +468,13 @@ def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
     3, 1, figsize=(9, 10), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.5]}
   )
   reference = smooth(results[0].losses, window)[1]
-  for r in results:
+  for i, r in enumerate(results):
     steps, loss = smooth(r.losses, window)
     label = f"{r.mode} (val {r.val_loss:.3f})"
-    ax_loss.plot(steps, loss, label=label, lw=1.2)
-    ax_gap.plot(steps, 100 * (loss - reference) / reference, label=r.mode, lw=1.2)
+    # Dashed: the remainder curve lies exactly on bf16+mpx's.
+    style = dict(color=f"C{i}", lw=1.2, ls="--" if r.mode == REMAINDER else "-")
+    ax_loss.plot(steps, loss, label=label, **style)
+    ax_gap.plot(steps, 100 * (loss - reference) / reference, label=r.mode, **style)
   ax_loss.set_ylabel(f"train loss (nats/byte,\nmean of {window} steps)")
   ax_loss.set_title(title, fontsize=10)
   ax_loss.legend()
@@ -400,10 +484,10 @@ def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
   ax_gap.axhline(0, color="k", lw=0.5)
   ax_gap.set_ylabel("train loss vs fp32 (%)")
   ax_gap.grid(alpha=0.3)
-  for r in results:
+  for i, r in enumerate(results):
     if r.mode == "fp16+mpx+scale":
       steps = np.arange(1, r.scales.size + 1)
-      ax_scale.step(steps, r.scales, where="post", color="C2", label="loss scale")
+      ax_scale.step(steps, r.scales, where="post", color=f"C{i}", label="loss scale")
       skipped = ~r.finite.astype(bool)
       ax_scale.plot(
         steps[skipped], r.scales[skipped], "rx", label=f"skipped step ({skipped.sum()})"
@@ -544,9 +628,9 @@ def main(argv: list[str] | None = None) -> int:
   plot(results, args.out, title)
   print(f"plot: {args.out}")
   print(f"wall time: {time.perf_counter() - start:.0f} s")
-  if args.smoke or args.no_check:
+  if args.no_check:
     return 0
-  return 0 if check(results, args.tolerance, args.min_gap) else 1
+  return 0 if check(results, args.tolerance, args.min_gap, gaps=not args.smoke) else 1
 
 
 if __name__ == "__main__":

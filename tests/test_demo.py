@@ -1,14 +1,25 @@
-"""Runs the main demo (examples/demo.py) as a user would, in a subprocess."""
+"""Runs the main demo (examples/demo.py) as a user would, in a subprocess;
+and its self-check, in process, on made-up results."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import subprocess
+import sys
 
 import cli_output
+import numpy as np
 import pytest
 
-MODES = ("fp32", "bf16+mpx", "fp16+mpx+scale", "bf16 no masters")
+MODES = (
+  "fp32",
+  "bf16+mpx",
+  "bf16+mpx remainder",
+  "bf16 stochastic",
+  "fp16+mpx+scale",
+  "bf16 no masters",
+)
 # Cells after the mode name: params dtype, train loss, val loss, vs fp32,
 # tokens/s, state bytes per param, skipped steps, loss scale.
 DTYPE, TRAIN, VAL, GAP, TOKENS, STATE, SKIPPED, SCALE = range(8)
@@ -19,7 +30,15 @@ def run_demo(*args: str, smoke: bool = False) -> subprocess.CompletedProcess[str
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
-  return cli_output.table_rows(stdout, MODES)
+  # Not cli_output.table_rows: "bf16+mpx remainder" also starts with
+  # "bf16+mpx ", so each line belongs to the longest mode name it starts with.
+  rows = {}
+  for line in stdout.splitlines():
+    names = [mode for mode in MODES if line.startswith(mode + " ")]
+    if names:
+      mode = max(names, key=len)
+      rows[mode] = line[len(mode) :].split()
+  return rows
 
 
 @pytest.fixture(scope="module")
@@ -37,33 +56,54 @@ def test_smoke_run_exits_zero_and_writes_png(smoke):
   # tqdm progress bars went to stderr, one per mode.
   for mode in MODES:
     assert mode in result.stderr
-  # The smoke size is not checked against FP32.
-  assert "OK:" not in result.stdout and "FAIL" not in result.stdout
+
+
+def test_smoke_checks_only_that_remainder_is_bitwise_full(smoke):
+  # Bitwise identity holds at any size, so the smoke run checks it; the loss
+  # gaps to FP32 mean nothing at that size and are not checked.
+  stdout = smoke[0].stdout
+  assert "OK: bf16+mpx remainder is bitwise identical to bf16+mpx" in stdout, stdout
+  assert "FAIL" not in stdout and "vs FP32" not in stdout, stdout
 
 
 def test_smoke_table_rows(smoke):
   result, _ = smoke
   rows = table_rows(result.stdout)
-  assert set(rows) == set(MODES), result.stdout
-  assert [len(cells) for cells in rows.values()] == [8] * 4, result.stdout
+  assert list(rows) == list(MODES), result.stdout
+  assert [len(cells) for cells in rows.values()] == [8] * len(MODES), result.stdout
   assert rows["fp32"][DTYPE] == "float32"
-  assert rows["bf16+mpx"][DTYPE] == "bfloat16"
   assert rows["fp16+mpx+scale"][DTYPE] == "float16"
-  assert rows["bf16 no masters"][DTYPE] == "bfloat16"
+  for mode in ("bf16+mpx", "bf16+mpx remainder", "bf16 stochastic", "bf16 no masters"):
+    assert rows[mode][DTYPE] == "bfloat16"
   for cells in rows.values():
     assert float(cells[VAL]) > 0 and float(cells[TRAIN]) > 0
     assert float(cells[TOKENS].replace(",", "")) > 0
   assert rows["fp32"][GAP] == "+0.00%"
 
 
+def test_smoke_remainder_row_equals_full_row(smoke):
+  rows = table_rows(smoke[0].stdout)
+  full, remainder = rows["bf16+mpx"], rows["bf16+mpx remainder"]
+  for cell in (DTYPE, TRAIN, VAL, GAP, SKIPPED, SCALE):
+    assert remainder[cell] == full[cell], (full, remainder)
+
+
 def test_smoke_optimizer_state_bytes_per_param(smoke):
   rows = table_rows(smoke[0].stdout)
-  # Adam's two float32 moments; mpx adds a float32 master; plain optax on bf16
-  # params keeps both moments in bf16. (Counters and the scale are negligible.)
-  assert float(rows["fp32"][STATE]) == pytest.approx(8.0, abs=0.05)
-  assert float(rows["bf16+mpx"][STATE]) == pytest.approx(12.0, abs=0.05)
-  assert float(rows["fp16+mpx+scale"][STATE]) == pytest.approx(12.0, abs=0.05)
-  assert float(rows["bf16 no masters"][STATE]) == pytest.approx(4.0, abs=0.05)
+  # Adam's two float32 moments; mpx adds a float32 master (full), its int16
+  # low half (remainder) or nothing (stochastic: a uint32 key per leaf); plain
+  # optax on bf16 params keeps both moments in bf16. (Counters, keys and the
+  # scale are negligible.)
+  expected = {
+    "fp32": 8.0,
+    "bf16+mpx": 12.0,
+    "bf16+mpx remainder": 10.0,
+    "bf16 stochastic": 8.0,
+    "fp16+mpx+scale": 12.0,
+    "bf16 no masters": 4.0,
+  }
+  for mode, state in expected.items():
+    assert float(rows[mode][STATE]) == pytest.approx(state, abs=0.05), mode
 
 
 def test_smoke_only_fp16_mode_has_a_loss_scale(smoke):
@@ -71,13 +111,15 @@ def test_smoke_only_fp16_mode_has_a_loss_scale(smoke):
   fp16 = rows["fp16+mpx+scale"]
   assert fp16[SKIPPED].isdigit()
   assert float(fp16[SCALE]) >= 1.0
-  for mode in ("fp32", "bf16+mpx", "bf16 no masters"):
-    assert rows[mode][SKIPPED] == rows[mode][SCALE] == "-", rows[mode]
+  for mode in MODES:
+    if mode != "fp16+mpx+scale":
+      assert rows[mode][SKIPPED] == rows[mode][SCALE] == "-", rows[mode]
 
 
 @pytest.mark.slow
 def test_check_fails_when_claims_do_not_hold(tmp_path):
-  # No gap is at most -100%, so both mpx claims fail, and the self-check exits 1.
+  # No gap is at most -100%, so every mpx claim fails, and the self-check
+  # exits 1; the remainder run is still bitwise the full one.
   result = run_demo(
     "--steps",
     "2",
@@ -99,4 +141,101 @@ def test_check_fails_when_claims_do_not_hold(tmp_path):
     str(tmp_path / "demo.png"),
   )
   assert result.returncode == 1, result.stdout + result.stderr
-  assert "FAIL: bf16+mpx" in result.stdout and "FAIL: fp16+mpx+scale" in result.stdout
+  for mode in ("bf16+mpx", "bf16+mpx remainder", "bf16 stochastic", "fp16+mpx+scale"):
+    assert f"FAIL: {mode} validation loss" in result.stdout, result.stdout
+  assert "OK: bf16+mpx remainder is bitwise identical" in result.stdout, result.stdout
+
+
+# --- The self-check on made-up results, in process ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo():
+  """examples/demo.py as a module (it imports examples/lm.py as ``lm``)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.syspath_prepend(str(cli_output.EXAMPLES))
+    spec = importlib.util.spec_from_file_location("demo", cli_output.EXAMPLES / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    patch.setitem(sys.modules, "demo", module)  # for its dataclasses' annotations
+    spec.loader.exec_module(module)
+  return module
+
+
+def made_up_results(demo, val_losses: dict[str, float]) -> list:
+  """One made-up Result per mode, all with the same losses and params."""
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+  losses = np.linspace(3.0, 1.0, 10, dtype=np.float32)
+  return [
+    demo.Result(
+      mode=mode,
+      param_dtype="bfloat16",
+      train_loss=float(losses[-1]),
+      val_loss=val_losses.get(mode, 1.0),
+      tokens_per_s=1.0,
+      state_bytes_per_param=8.0,
+      skipped_steps=None,
+      loss_scale=None,
+      params={k: v.copy() for k, v in params.items()},
+      losses=losses.copy(),
+      scales=np.ones(10, np.float32),
+      finite=np.ones(10, bool),
+    )
+    for mode in demo.MODES
+  ]
+
+
+def test_check_passes_made_up_results(demo, capsys):
+  results = made_up_results(demo, {"bf16 stochastic": 1.019, "bf16 no masters": 1.021})
+  assert demo.check(results, tolerance=0.02, min_gap=0.02)
+  out = capsys.readouterr().out
+  assert "FAIL" not in out and out.count("OK:") == 6, out
+
+
+def test_check_fails_stochastic_beyond_tolerance_or_no_masters_too_close(demo, capsys):
+  results = made_up_results(demo, {"bf16 stochastic": 1.021, "bf16 no masters": 1.019})
+  assert not demo.check(results, tolerance=0.02, min_gap=0.02)
+  out = capsys.readouterr().out
+  assert "FAIL: bf16 stochastic validation loss +2.10% vs FP32" in out, out
+  assert "FAIL: bf16 no masters validation loss +1.90% vs FP32" in out, out
+  assert "OK: bf16+mpx remainder is bitwise identical" in out, out
+
+
+def flip_last_bit_of_a_param(result):
+  result.params["b"].view(np.uint32)[1] ^= 1
+
+
+def widen_a_param(result):
+  result.params["b"] = result.params["b"].astype(np.float64)
+
+
+def nudge_a_step_loss(result):
+  result.losses[4] = np.nextafter(result.losses[4], np.float32(0))
+
+
+def nudge_val_loss(result):
+  result.val_loss = float(np.nextafter(result.val_loss, 2.0))
+
+
+@pytest.mark.parametrize("gaps", [True, False])
+@pytest.mark.parametrize(
+  "change, named",
+  [
+    (flip_last_bit_of_a_param, "final params (1 of 2 leaves)"),
+    (widen_a_param, "final params (1 of 2 leaves)"),
+    (nudge_a_step_loss, "training losses (first at step 5)"),
+    (nudge_val_loss, "validation loss (1.0000000000000002 vs 1.0)"),
+  ],
+)
+def test_check_fails_unless_remainder_is_bitwise_full(demo, capsys, change, named, gaps):
+  results = made_up_results(demo, {"bf16 no masters": 1.1})
+  change(next(r for r in results if r.mode == "bf16+mpx remainder"))
+  # With gaps=False (the smoke size) this is the only claim checked.
+  assert not demo.check(results, tolerance=0.02, min_gap=0.02, gaps=gaps)
+  out = capsys.readouterr().out
+  assert "FAIL: bf16+mpx remainder differs from bf16+mpx: " in out and named in out, out
+  assert ("vs FP32" in out) == gaps, out
+
+
+def test_differences_finds_none_between_equal_copies(demo):
+  full, remainder = made_up_results(demo, {})[1:3]
+  assert demo.differences(remainder, full) == []
