@@ -28,6 +28,9 @@ import sys
 
 import pytest
 
+# Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "run.py"
 ALWAYS = (

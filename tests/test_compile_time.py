@@ -18,6 +18,9 @@ import pytest
 import mpx
 from mpx._src import finite as finite_lib
 
+# Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 LEAVES = 300
 # Measured at about 2.2x (bf16) and 2.5x (fp16) on two cores; the quadratic
 # blow-up it guards against was 10x at this size.

@@ -12,6 +12,9 @@ import cli_output
 import numpy as np
 import pytest
 
+# Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 MODES = (
   "fp32",
   "bf16+mpx",

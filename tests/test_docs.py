@@ -9,6 +9,9 @@ import re
 
 import pytest
 
+# Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"(<!-- skip-test: [^>]+-->\s*\n)?```python\n(.*?)```", re.S)
 

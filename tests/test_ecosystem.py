@@ -115,3 +115,17 @@ def test_lbfgs_extra_arguments_reach_the_inner_rule_in_float32(scaled):
     params, state = step(params, state)
     assert tree_equal((mpx.master_params(state, params), inner(state)), expected)
   assert float(quadratic(params)) < 0.05 * float(quadratic({"w": jnp.zeros(8)}))
+
+
+def test_params_widened_by_an_apply_that_does_not_cast_back_are_refused():
+  # equinox.apply_updates computes p + u: float32 updates widen bf16 params.
+  params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros(2)}
+  tx = mpx.mixed_precision(optax.adam(1e-3))
+  state = tx.init(params)
+  updates, state = tx.update(params, state, params)
+  widened = jax.tree.map(lambda p, u: p + u, params, updates)
+  assert widened["w"].dtype == jnp.float32
+  with pytest.raises(ValueError, match=r"param 'w' is float32\[3\].*widened.*optax.apply_updates"):
+    tx.update(params, state, widened)
+  # optax.apply_updates keeps the dtype, and the run goes on.
+  tx.update(params, state, optax.apply_updates(params, updates))

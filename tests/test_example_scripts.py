@@ -13,6 +13,10 @@ import re
 import subprocess
 
 import cli_output
+import pytest
+
+# Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
+pytestmark = pytest.mark.slow
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -47,6 +51,14 @@ def test_flax_nnx_bf16():
   assert "bfloat16 nnx MLP (width 32)" in result.stdout
   assert re.search(r"float32 masters\)$", result.stdout, re.M), result.stdout
   assert "rounded away with plain bfloat16 weights" in result.stdout
+
+
+def test_equinox_bf16():
+  result = run_script("equinox_bf16.py")
+  checks = assert_all_checks_passed(result)
+  assert len(checks) == 5, result.stdout
+  assert "bfloat16 equinox MLP (width 32)" in result.stdout
+  assert "but the state holds a master for a" in result.stdout  # the widened model
 
 
 def test_finetune_from_fp32_checkpoint_float16_into_dir(tmp_path):

@@ -7,6 +7,9 @@ import subprocess
 import cli_output
 import pytest
 
+# Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 MODES = ("fp32", "bf16+mpx", "fp16+mpx+scale", "bf16 no masters")
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from treecheck import round_like_params
@@ -138,6 +139,7 @@ def jitted_guarded_step(finite_check_form):
   return tx, jax.jit(tx.update)
 
 
+@pytest.mark.slow  # a compilation per random tree: about a minute
 @settings(
   max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -40,6 +40,9 @@ from treecheck import tree_equal
 
 import mpx
 
+# Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 ocp = pytest.importorskip("orbax.checkpoint")
 HERE = pathlib.Path(__file__).resolve().parent
 

@@ -146,6 +146,14 @@ def mixed_precision(
   times smaller) while its master stays exact; the next update targets it
   again.
 
+  ``mixed_precision`` must wrap the *whole* rule: the updates it returns land
+  each param on its new master's rounding, so a rule chained after it (say
+  ``optax.chain(mpx.mixed_precision(optax.scale_by_adam()),
+  optax.scale(-lr))``) would move the params somewhere the masters never go,
+  and the masters would follow the unscaled direction. Put every rule inside
+  (``mpx.mixed_precision(optax.chain(optax.scale_by_adam(),
+  optax.scale(-lr)))``); only :func:`mpx.loss_scale` goes around it.
+
   A step whose gradients hold inf or NaN returns zero updates and leaves the
   stored masters and the inner state bitwise unchanged (counts, schedules and
   the random-bit counter do not advance). Wrap this in :func:`mpx.loss_scale`
@@ -339,6 +347,15 @@ def _check_update_inputs(
 
   for path, stored, param in validation.zip_leaves(_stored(state), params, mismatch):
     kind = masters_lib.kind_for(mode, param, dtype, path)
+    if isinstance(kind, masters_lib.NoMaster) and not tree_lib.is_placeholder(stored):
+      raise ValueError(
+        f"mixed_precision: param {path!r} is {validation.describe(param)}, but the state "
+        "holds a master for a narrower param: the params were widened. mpx's updates are "
+        f"in {jnp.dtype(dtype)}, and an apply that adds them without casting back (e.g. "
+        "equinox.apply_updates) widens each param. Apply them with optax.apply_updates, "
+        "which keeps every param's dtype (with equinox: eqx.partition the model, "
+        "optax.apply_updates the arrays, eqx.combine)."
+      )
     if tree_lib.no_master(stored) and not isinstance(kind, masters_lib.NoMaster):
       raise ValueError(
         f"mixed_precision: param {path!r} is {validation.describe(param)} but the state "
