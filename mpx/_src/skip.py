@@ -45,7 +45,7 @@ def apply_if_finite(
     new_state, outputs = step(state, *args)
     # JAX traces this branch first, so the other one can build its zeros from
     # these shapes instead of tracing the step a second time.
-    outputs_like.append(jax.tree.map(jax.ShapeDtypeStruct.like, outputs))
+    outputs_like.append(jax.tree.map(_shape_of, outputs))
     return new_state, outputs, jnp.asarray(True)
 
   def skip(state, args):
@@ -58,3 +58,22 @@ def apply_if_finite(
     return state, jax.tree.map(jnp.zeros_like, like), jnp.asarray(False)
 
   return jax.lax.cond(finite, apply, skip, state, args)
+
+
+def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
+  """``jax.ShapeDtypeStruct.like(x)`` (shape, dtype, sharding, manual axes),
+  spelled out for jax releases that lack it (before 0.10.2)."""
+  like = getattr(jax.ShapeDtypeStruct, "like", None)
+  if like is not None:
+    return like(x)
+  aval: Any = jax.typeof(x)
+  sharding = getattr(aval, "sharding", None)
+  if sharding is not None and sharding.mesh.empty:
+    sharding = None
+  extra = {}
+  mat = getattr(aval, "mat", None)
+  if mat is not None and not mat.empty:
+    extra["manual_axis_type"] = mat
+  return jax.ShapeDtypeStruct(
+    aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type, **extra
+  )
