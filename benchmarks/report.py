@@ -116,6 +116,23 @@ def _is_target_size(size: dict[str, Any]) -> bool:
   return size.get("targets", size["n"] >= TARGET_MIN_PARAMS)
 
 
+def _paired_target(
+  label: str, row: dict | None, name: str, against: str, key: str, target: float
+) -> list[list[str]]:
+  """The targets table's row for one paired ratio, or none if not measured."""
+  if row is None:
+    return []
+  value = row.get(key)
+  return [
+    [
+      label,
+      f"{name} <= {target:.2f}x {against}, paired",
+      _f(value, ".3f") + "x",
+      _verdict(value, target, "{0:.1%}"),
+    ]
+  ]
+
+
 def targets(results: dict[str, Any]) -> list[list[str]]:
   """One row per target and size: what was asked, what was measured, verdict."""
   rows = []
@@ -124,32 +141,11 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
       continue
     r, label = size["rows"], size["label"]
     for name, reference in MPX_REFERENCES:
-      row = r.get(name)
-      if row is None:
-        continue
-      value = row.get("x_hand_paired")
-      rows.append(
-        [
-          label,
-          f"{name} <= {TARGET_VS_HAND:.2f}x {reference}, paired",
-          _f(value, ".3f") + "x",
-          _verdict(value, TARGET_VS_HAND, "{0:.1%}"),
-        ]
-      )
+      rows += _paired_target(label, r.get(name), name, reference, "x_hand_paired", TARGET_VS_HAND)
     if not size.get("many_leaves"):
+      against = f"{MPX_BF16} (full masters)"
       for name in MPX_MODES:
-        row = r.get(name)
-        if row is None:
-          continue
-        value = row.get("x_full_paired")
-        rows.append(
-          [
-            label,
-            f"{name} <= {TARGET_VS_FULL:.2f}x {MPX_BF16} (full masters), paired",
-            _f(value, ".3f") + "x",
-            _verdict(value, TARGET_VS_FULL, "{0:.1%}"),
-          ]
-        )
+        rows += _paired_target(label, r.get(name), name, against, "x_full_paired", TARGET_VS_FULL)
     for name, _ in MPX_REFERENCES:
       row = r.get(name)
       if row is None or row.get("temp_bpp") is None:

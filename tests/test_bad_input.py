@@ -246,6 +246,14 @@ def test_b15_none_leaves_are_empty_subtrees():
   np.testing.assert_array_equal(state.inner_state.master_params["w"], [0.75, 2.5])
   with pytest.raises(ValueError, match="gradients do not match params"):
     tx.update({"w": grads["w"]}, state, params)
+  # A gradient where the param is None: refused by name, by both transformations.
+  bad = {"w": grads["w"], "frozen": jnp.ones(2)}
+  plain, mp = mpx.loss_scale(optax.sgd(0.25)), mpx.mixed_precision(optax.sgd(0.25))
+  for t, s in ((tx, state), (plain, plain.init(params)), (mp, mp.init(params))):
+    with pytest.raises(
+      ValueError, match=r"gradient 'frozen' is float32\[2\] but its param is None"
+    ):
+      t.update(bad, s, params)
 
 
 @pytest.mark.parametrize("empty", [{}, [], ()])

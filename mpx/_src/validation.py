@@ -66,6 +66,11 @@ def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
 
   per_example = False
   for path, grad, param in zip_leaves(grads, params, mismatch):
+    if param is None and grad is not None:
+      raise ValueError(
+        f"{name}: gradient {path!r} is {describe(grad)} but its param is None: pass None "
+        "there too, as jax.grad does for a None leaf."
+      )
     if tree_lib.is_placeholder(param) or not tree_lib.is_floating(param):
       continue  # integer params take integer or float0 gradients
     if not tree_lib.is_floating(grad):
