@@ -372,6 +372,13 @@ def losses(size: Size) -> dict[str, bool]:
     params = new_params
     log(i, size.steps, **fetch(metrics))
   last = fetch(metrics)
+  # The count may exceed the one deliberate inf: at the initial scale (2**15)
+  # the first float16 gradients can overflow, and those steps are skipped
+  # while the scale backs off, as with torch's GradScaler.
+  print(
+    f"  skipped {last['skipped']} steps: the deliberate inf, plus any early overflow "
+    "while the loss scale backed off from its initial 2**15"
+  )
   return {
     "both losses fell by more than half": (
       last["loss0"] < 0.5 * first["loss0"] and last["loss1"] < 0.5 * first["loss1"]

@@ -471,8 +471,11 @@ def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
   for i, r in enumerate(results):
     steps, loss = smooth(r.losses, window)
     label = f"{r.mode} (val {r.val_loss:.3f})"
-    # Dashed: the remainder curve lies exactly on bf16+mpx's.
+    # Dashed: the remainder curve lies exactly on bf16+mpx's. FP32, the
+    # reference the others nearly cover, is drawn black and on top.
     style = dict(color=f"C{i}", lw=1.2, ls="--" if r.mode == REMAINDER else "-")
+    if i == 0:
+      style = dict(color="k", lw=1.6, ls=":", zorder=10)
     ax_loss.plot(steps, loss, label=label, **style)
     ax_gap.plot(steps, 100 * (loss - reference) / reference, label=r.mode, **style)
   ax_loss.set_ylabel(f"train loss (nats/byte,\nmean of {window} steps)")
@@ -483,6 +486,7 @@ def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
   ax_loss.set_ylim(lo - 0.05, lo + 1.5)  # the interesting, late part of training
   ax_gap.axhline(0, color="k", lw=0.5)
   ax_gap.set_ylabel("train loss vs fp32 (%)")
+  ax_gap.legend(fontsize=8, ncol=2)
   ax_gap.grid(alpha=0.3)
   for i, r in enumerate(results):
     if r.mode == "fp16+mpx+scale":

@@ -20,7 +20,7 @@ FP32 initialisation, on the same batches, in four modes (see
 
 Run from the repository root::
 
-  python examples/quickstart.py               # default size: about 1-2 min on 2 CPU cores
+  python examples/quickstart.py               # default size: about 80 s on 2 CPU cores
   MPX_SMOKE=1 python examples/quickstart.py   # tiny size, seconds (CI)
   python examples/quickstart.py --steps 3000 --batch 512 --width 512
 
