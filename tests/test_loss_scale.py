@@ -83,13 +83,9 @@ def test_default_initial_scale_is_representable_in_fp16():
   assert np.isfinite(np.float16(float(state.loss_scale)))
 
 
-@pytest.mark.parametrize("hysteresis", [1, 3])
-def test_scale_sequence_matches_the_documented_rule(hysteresis):
-  config = dict(init=64.0, growth=2.0, backoff=0.5, interval=3, min_scale=4.0, max_scale=256.0)
-  rng = np.random.default_rng(hysteresis)
-  flags = list(rng.random(120) > 0.3) + [True] * 20 + [False] * 10 + [True] * 9
-  tx = mpx.loss_scale(
-    optax.sgd(0.1),
+def scale_settings(config, hysteresis):
+  """``loss_scale``'s keyword arguments for a ``reference_scales`` config."""
+  return dict(
     init_scale=config["init"],
     growth_factor=config["growth"],
     backoff_factor=config["backoff"],
@@ -98,6 +94,14 @@ def test_scale_sequence_matches_the_documented_rule(hysteresis):
     max_scale=config["max_scale"],
     hysteresis=hysteresis,
   )
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_scale_sequence_matches_the_documented_rule(hysteresis):
+  config = dict(init=64.0, growth=2.0, backoff=0.5, interval=3, min_scale=4.0, max_scale=256.0)
+  rng = np.random.default_rng(hysteresis)
+  flags = list(rng.random(120) > 0.3) + [True] * 20 + [False] * 10 + [True] * 9
+  tx = mpx.loss_scale(optax.sgd(0.1), **scale_settings(config, hysteresis))
   scales, states = run_flags(tx, flags)
   assert scales == reference_scales(flags, hysteresis=hysteresis, **config)
   assert int(states[-1].skipped_steps) == flags.count(False)
@@ -110,15 +114,7 @@ def test_the_scale_rule_alone_matches_the_reference(hysteresis):
   # scanned over a flag sequence, against the plain-Python model: the scale and
   # every counter at every step.
   config = dict(init=32.0, growth=4.0, backoff=0.25, interval=5, min_scale=0.5, max_scale=2.0**12)
-  rule = ScaleRule.dynamic(
-    init_scale=config["init"],
-    growth_factor=config["growth"],
-    backoff_factor=config["backoff"],
-    growth_interval=config["interval"],
-    min_scale=config["min_scale"],
-    max_scale=config["max_scale"],
-    hysteresis=hysteresis,
-  )
+  rule = ScaleRule.dynamic(**scale_settings(config, hysteresis))
   rng = np.random.default_rng(7 + hysteresis)
   flags = list(rng.random(300) > 0.25) + [False] * 12 + [True] * 40
 

@@ -237,14 +237,6 @@ def _loss_scaling(
     return rule.initial_state(inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    # L-BFGS's value= and grad= come from the scaled loss, like the gradients:
-    # unscaled here, so its line search compares them with value_fn's loss.
-    extra_args = {
-      name: _unscale_extra(value, _inverse(state.loss_scale))
-      if name in ("value", "grad")
-      else value
-      for name, value in extra_args.items()
-    }
     if not isinstance(state, LossScaleState):
       raise TypeError(
         f"loss_scale.update got a state of type {type(state).__name__}, not "
@@ -255,6 +247,12 @@ def _loss_scaling(
       "loss_scale", updates, params
     )
     inverse_scale = _inverse(state.loss_scale)  # the scale this step's loss was multiplied by
+    # L-BFGS's value= and grad= come from the scaled loss, like the gradients:
+    # unscaled here, so its line search compares them with value_fn's loss.
+    extra_args = {
+      name: _unscale_all(value, inverse_scale) if name in ("value", "grad") else value
+      for name, value in extra_args.items()
+    }
     finite = _finite_across(all_finite(_to_check(updates, inverse_scale, rule)), axis_name)
     if hands_over:
       handover = LossScaledGradients(inverse_scale=inverse_scale, finite=finite)
@@ -268,7 +266,7 @@ def _loss_scaling(
 
       def step(inner_state, grads, params):
         # Unscaled inside the cond, so the float32 copy fuses into the update.
-        grads = jax.tree.map(lambda g: unscale_leaf(g, inverse_scale), grads)
+        grads = _unscale_all(grads, inverse_scale)
         new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
         validation.check_state_types_kept("loss_scale", new_inner, inner_state)
         return new_inner, new_updates
@@ -283,11 +281,9 @@ def _loss_scaling(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _unscale_extra(value: Any, inverse_scale: jax.Array) -> Any:
-  """Floating leaves of an extra argument, unscaled in float32 (or wider)."""
-  return jax.tree.map(
-    lambda leaf: unscale_leaf(leaf, inverse_scale) if tree_lib.is_floating(leaf) else leaf, value
-  )
+def _unscale_all(tree: Any, inverse_scale: jax.Array) -> Any:
+  """The floating leaves of ``tree`` unscaled in float32; the others as they are."""
+  return jax.tree.map(lambda leaf: unscale_leaf(leaf, inverse_scale), tree)
 
 
 def _to_check(grads: tree_lib.PyTree, inverse_scale: jax.Array, rule: ScaleRule) -> Any:
@@ -493,5 +489,4 @@ def unscale(grads: tree_lib.PyTree, opt_state: optax.OptState) -> tree_lib.PyTre
     >>> mpx.unscale({"w": jnp.array([8.0, 2.0], jnp.float16)}, state)
     {'w': Array([2. , 0.5], dtype=float32)}
   """
-  inverse_scale = _inverse(get_loss_scale(opt_state))
-  return jax.tree.map(lambda g: unscale_leaf(g, inverse_scale), grads)
+  return _unscale_all(grads, _inverse(get_loss_scale(opt_state)))

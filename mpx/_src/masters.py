@@ -1,7 +1,7 @@
 """Where the full-precision weights live: ``mixed_precision``'s three modes.
 
 For every parameter leaf, a *storage kind* says what the optimizer state
-holds, what the inner rule sees (the master view), what a step writes back
+holds, what the inner rule and ``mpx.master_params`` see (the master view), what a step writes back
 inside the skip ``lax.cond``, and which update moves the parameter after it.
 ``mixed_precision`` runs the same five steps whatever the kinds; this module
 holds everything that differs.
@@ -101,10 +101,6 @@ class Copy:
     del out
     return tree_lib.saturating_cast(stored, param.dtype)
 
-  def master(self, stored: jax.Array, param: Any) -> jax.Array:
-    del param
-    return stored
-
 
 @dataclasses.dataclass(frozen=True)
 class Bfloat16(Copy):
@@ -154,9 +150,6 @@ class Remainder:
     del stored, param
     return rounding.round_ties_away(out)
 
-  def master(self, stored: jax.Array, param: jax.Array) -> jax.Array:
-    return rounding.join(param, stored)
-
 
 @dataclasses.dataclass(frozen=True)
 class Stochastic:
@@ -176,10 +169,6 @@ class Stochastic:
   def target(self, stored: Any, out: jax.Array, param: Any) -> jax.Array:
     del stored, param
     return out
-
-  def master(self, stored: Any, param: jax.Array) -> jax.Array:
-    del stored
-    return param.astype(jnp.float32)
 
 
 def _land(master: jax.Array, param: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -41,6 +41,19 @@ _STATE_TYPES = {
   "stochastic": MixedPrecisionStochasticState,
 }
 _ANY_STATE = tuple(_STATE_TYPES.values())
+# The field of each state that holds the param-shaped tree of what is stored
+# (masters, remainders or random-bit keys), and the kind that reads it back
+# (its ``view``) for every leaf with something stored.
+_STORED_FIELD = {
+  MixedPrecisionState: "master_params",
+  MixedPrecisionRemainderState: "master_remainders",
+  MixedPrecisionStochasticState: "rounding_keys",
+}
+_VIEW_KIND = {
+  MixedPrecisionState: masters_lib.Copy(),
+  MixedPrecisionRemainderState: masters_lib.Remainder(),
+  MixedPrecisionStochasticState: masters_lib.Stochastic(),
+}
 
 
 class MixedPrecisionTransformation(optax.GradientTransformationExtraArgs):
@@ -55,11 +68,7 @@ class MixedPrecisionTransformation(optax.GradientTransformationExtraArgs):
 
 def _stored(state: Any) -> Any:
   """The param-shaped tree a state stores: masters, remainders or keys."""
-  if isinstance(state, MixedPrecisionRemainderState):
-    return state.master_remainders
-  if isinstance(state, MixedPrecisionStochasticState):
-    return state.rounding_keys
-  return state.master_params
+  return getattr(state, _STORED_FIELD[type(state)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,11 +311,8 @@ def _count(state: Any) -> jax.Array | None:
 
 def _stored_fields(state: Any, stored: Any, count: jax.Array | None) -> dict[str, Any]:
   """The fields of ``state`` that hold what a step stores, as ``_replace`` takes them."""
-  if isinstance(state, MixedPrecisionRemainderState):
-    return {"master_remainders": stored}
-  if isinstance(state, MixedPrecisionStochasticState):
-    return {"rounding_keys": stored, "rounding_count": count}
-  return {"master_params": stored}
+  fields = {_STORED_FIELD[type(state)]: stored}
+  return fields if count is None else {**fields, "rounding_count": count}
 
 
 def _refuse_loss_scale_inside(inner_state: Any) -> None:
@@ -482,18 +488,12 @@ def _add_in(dtype: Any, master: jax.Array, update: Any) -> jax.Array:
 def _master_view_of(state: Any, params: Any) -> Any:
   """``params`` with every leaf that ``state`` holds a master for replaced by
   that master, in float32 (or the master dtype)."""
-  stored = _stored(state)
+  kind = _VIEW_KIND[type(state)]
 
   def leaf(s, p):
-    if tree_lib.no_master(s):
-      return p
-    if isinstance(state, MixedPrecisionRemainderState):
-      return rounding.join(jnp.asarray(p), s)
-    if isinstance(state, MixedPrecisionStochasticState):
-      return jnp.asarray(p).astype(jnp.float32)
-    return s
+    return p if tree_lib.no_master(s) else kind.view(s, jnp.asarray(p))
 
-  return jax.tree.map(leaf, stored, params, is_leaf=tree_lib.no_master)
+  return jax.tree.map(leaf, _stored(state), params, is_leaf=tree_lib.no_master)
 
 
 def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_lib.PyTree:

@@ -108,8 +108,10 @@ def landing(param: jax.Array, target: jax.Array) -> jax.Array:
 
 
 def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
-  """Elementwise bitwise equality of two bfloat16 arrays (NaN, -0 included)."""
-  as_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
+  """Elementwise bitwise equality of two arrays of one floating dtype (NaN,
+  -0 included)."""
+  uint = jnp.dtype(f"uint{jnp.dtype(a.dtype).itemsize * 8}")
+  as_bits = lambda x: jax.lax.bitcast_convert_type(x, uint)  # noqa: E731
   return jax.lax.eq(as_bits(a), as_bits(b))
 
 

@@ -93,15 +93,9 @@ def _master(master: jax.Array, param: jax.Array) -> jax.Array:
     rounded = rounding.round_ties_away(rounding.canonical(master))
   else:
     rounded = tree_lib.saturating_cast(master, param.dtype)
-  kept = _same_bits(rounded, param)
+  kept = rounding.same_bits(rounded, param)
   return jnp.where(kept, master, param.astype(master.dtype))
 
 
 def _remainder(remainder: jax.Array, param: jax.Array) -> jax.Array:
   return jnp.where(rounding.wraps(param, remainder), jnp.zeros_like(remainder), remainder)
-
-
-def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
-  uint = jnp.dtype(f"uint{jnp.dtype(b.dtype).itemsize * 8}")
-  as_bits = lambda x: jax.lax.bitcast_convert_type(x.astype(b.dtype), uint)  # noqa: E731
-  return as_bits(a) == as_bits(b)
