@@ -74,6 +74,8 @@ def test_learning_rate_changes_without_recompiling():
   frozen = jax.tree.map(np.asarray, mpx.master_params(opt_state, params))  # before donation
   params, opt_state = step(params, opt_state, x)
   assert len(traces) == 1
+  # Traced once is not enough: a committed new rate would be compiled anew.
+  assert step._cache_size() == 1
   # lr 0 and adamw's decay times lr 0: the masters must not move.
   after = mpx.master_params(opt_state, params)
   assert all(

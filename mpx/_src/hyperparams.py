@@ -84,9 +84,11 @@ def adjust(opt_state: optax.OptState, **hyperparams: Any) -> optax.OptState:
         f"adjust: {name!r} has shape {old.shape}; got a value of shape {new.shape}."
       ) from error
     # Where the old value lives (a mesh, under zero1_shardings), so the jitted
-    # step sees the same input sharding: no recompilation, no transfer.
+    # step sees the same input sharding: no recompilation, no transfer. An
+    # uncommitted old value (eager init on the default device) stays
+    # uncommitted: jit compiles committed arguments separately.
     if not isinstance(old, jax.core.Tracer) and not isinstance(new, jax.core.Tracer):
-      new = jax.device_put(new, old.sharding)
+      new = jax.device_put(new, old.sharding) if old.committed else jax.device_put(new)
     return new
 
   def set_values(state: Any) -> Any:
