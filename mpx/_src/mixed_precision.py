@@ -73,15 +73,19 @@ def _stored(state: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _Leaves:
-  """One step's gradients, params and stored masters, aligned leaf for leaf
-  (``MaskedNode`` where a param has nothing stored), with each leaf's storage
-  kind and the structure to rebuild trees from lists."""
+  """One step's params and stored masters, aligned leaf for leaf (``MaskedNode``
+  where a param has nothing stored), with each leaf's storage kind and the
+  structure to rebuild trees from lists; and the gradients, aligned with the
+  params they mirror (all of them, or ``optax.lookahead``'s fast weights)."""
 
   treedef: Any
   kinds: list[Any]
-  grads: list[Any]
   params: list[Any]
   stored: list[Any]
+  grads: list[Any]
+  grad_treedef: Any
+  grad_kinds: list[Any]
+  grad_params: list[Any]
 
   @classmethod
   def align(cls, mode: str, dtype: Any, grads: Any, params: Any, stored: Any) -> _Leaves:
@@ -93,7 +97,20 @@ class _Leaves:
       for (path, _), p in zip(flat, params_flat, strict=True)
     ]
     stored_flat = [s for _, s in flat]
-    return cls(treedef, kinds, treedef.flatten_up_to(grads), params_flat, stored_flat)
+    mirrored = validation.gradient_params(params)
+    if mirrored is params:
+      grad_treedef, grad_kinds, grad_params = treedef, kinds, params_flat
+    else:
+      grad_flat, grad_treedef = jax.tree_util.tree_flatten_with_path(mirrored)
+      grad_params = [p for _, p in grad_flat]
+      grad_kinds = [
+        masters_lib.kind_for(mode, p, dtype, tree_lib.path_str(path) or "<root>")
+        for path, p in grad_flat
+      ]
+    grads_flat = grad_treedef.flatten_up_to(grads)
+    return cls(
+      treedef, kinds, params_flat, stored_flat, grads_flat, grad_treedef, grad_kinds, grad_params
+    )
 
   def master_view(self, stored: list[Any]) -> Any:
     """The masters where they exist, the params elsewhere, as a tree."""
@@ -216,7 +233,7 @@ def mixed_precision(
 
   def init_fn(params: optax.Params) -> Any:
     stored = _store(mode, dtype, seed, params)
-    leaves = _Leaves.align(mode, dtype, params, params, stored)
+    leaves = _Leaves.align(mode, dtype, validation.gradient_params(params), params, stored)
     inner_state = inner.init(leaves.master_view(leaves.stored))
     _refuse_loss_scale_inside(inner_state)
     if mode == "full":
@@ -390,7 +407,7 @@ def _step_is_finite(
   is also checked as cast to ``dtype``, which may overflow where it did not.
   """
   to_check = []
-  for grad, kind in zip(leaves.grads, leaves.kinds, strict=True):
+  for grad, kind in zip(leaves.grads, leaves.grad_kinds, strict=True):
     if not tree_lib.is_floating(grad):
       continue
     # Unscaled, a floating gradient is float32: no unscaling op just to ask.
@@ -424,12 +441,12 @@ def _step_on_masters(
       grads = [loss_scaled.unscale(g) for g in grads]
     grads = [
       g if isinstance(k, masters_lib.NoMaster) else g.astype(dtype)
-      for g, k in zip(grads, leaves.kinds, strict=True)
+      for g, k in zip(grads, leaves.grad_kinds, strict=True)
     ]
     view = leaves.master_view(stored)
     extra = {name: _cast_like_grads(value, leaves, dtype) for name, value in extra_args.items()}
     inner_updates, new_inner = inner.update(
-      leaves.treedef.unflatten(grads), inner_state, view, **extra
+      leaves.grad_treedef.unflatten(grads), inner_state, view, **extra
     )
     # Per-example gradients (DP-SGD) pass validation only if reduced here.
     validation.check_updates_reduced("mixed_precision", inner_updates, view)
@@ -461,20 +478,20 @@ def _step_on_masters(
 
 
 def _cast_like_grads(value: Any, leaves: _Leaves, dtype: Any) -> Any:
-  """An extra argument shaped like the params (L-BFGS's ``grad=``), with every
-  leaf that has a master cast to ``dtype`` as the gradients are, so the inner
-  rule never sees a low-precision number. Anything else passes as it is."""
+  """An extra argument shaped like the gradients (L-BFGS's ``grad=``), with
+  every leaf that has a master cast to ``dtype`` as the gradients are, so the
+  inner rule never sees a low-precision number. Anything else passes as it is."""
   try:
-    flat = leaves.treedef.flatten_up_to(value)
+    flat = leaves.grad_treedef.flatten_up_to(value)
   except (ValueError, TypeError):
     return value
-  if any(np.shape(v) != np.shape(p) for v, p in zip(flat, leaves.params, strict=True)):
+  if any(np.shape(v) != np.shape(p) for v, p in zip(flat, leaves.grad_params, strict=True)):
     return value
   cast = [
     v if isinstance(k, masters_lib.NoMaster) or not tree_lib.is_floating(v) else v.astype(dtype)
-    for v, k in zip(flat, leaves.kinds, strict=True)
+    for v, k in zip(flat, leaves.grad_kinds, strict=True)
   ]
-  return leaves.treedef.unflatten(cast)
+  return leaves.grad_treedef.unflatten(cast)
 
 
 def _add_in(dtype: Any, master: jax.Array, update: Any) -> jax.Array:

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from mpx._src import tree as tree_lib
 
@@ -52,8 +53,16 @@ def zip_leaves(
     yield tree_lib.path_str(path) or "<root>", a, b
 
 
+def gradient_params(params: Any) -> Any:
+  """The part of ``params`` that gradients mirror: the fast weights of
+  ``optax.lookahead``'s ``LookaheadParams`` (its update takes their gradients
+  alone and returns updates for fast and slow weights), else ``params``."""
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
 def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
-  """Gradients must have the params' structure, and every floating param a
+  """Gradients must have the params' structure (the fast weights' under
+  ``optax.lookahead``, see ``gradient_params``), and every floating param a
   floating gradient of its shape (a broadcastable one would be silently
   broadcast; an integer one would skip unscaling), or of its shape behind
   leading axes: per-example gradients, as DP-SGD takes. Returns whether there
@@ -65,7 +74,7 @@ def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
     )
 
   per_example = False
-  for path, grad, param in zip_leaves(grads, params, mismatch):
+  for path, grad, param in zip_leaves(grads, gradient_params(params), mismatch):
     if param is None and grad is not None:
       raise ValueError(
         f"{name}: gradient {path!r} is {describe(grad)} but its param is None: pass None "
