@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
@@ -202,3 +203,109 @@ def test_nnx_optimizer_fp16_with_loss_scale_skips_overflow():
   _assert_bitwise(skipped_masters, masters)
   assert int(optimizer.opt_state.skipped_steps[...]) == 1
   assert float(mpx.get_loss_scale(optimizer.opt_state)) == 2.0**11
+
+
+# ----------------------------------------------------------------------------
+# linen fp8 layers: scales and amax histories in `_overwrite_with_gradient`
+
+FP8 = "_overwrite_with_gradient"
+
+
+class _Fp8TrainState(train_state.TrainState):
+  """The docs' recipe (docs/howto.md, "Train flax fp8 layers"): the fp8
+  metadata takes its new values only on a step mpx applied."""
+
+  def apply_gradients(self, *, grads, **kwargs):
+    updates, opt_state = self.tx.update(grads["params"], self.opt_state, self.params["params"])
+    params = optax.apply_updates(self.params["params"], updates)
+    if isinstance(opt_state, mpx.LossScaleState):
+      applied = opt_state.last_step_finite & mpx.all_finite(grads[FP8])
+    else:  # mixed_precision skips a step iff some gradient is not finite
+      applied = mpx.all_finite(grads)
+    metadata = mpx.select_tree(applied, grads[FP8], self.params[FP8])
+    new_params = {"params": params, FP8: metadata}
+    return self.replace(step=self.step + 1, params=new_params, opt_state=opt_state, **kwargs)
+
+
+class _Fp8MLP(nn.Module):
+  dtype: Any = BF16
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dense = lambda n: nn.Dense(  # noqa: E731
+      n, dtype=self.dtype, param_dtype=self.dtype, dot_general_cls=nn.Fp8DirectDotGeneralOp
+    )
+    return dense(1)(jnp.tanh(dense(16)(x)))
+
+
+@jax.jit
+def _fp8_step(state: _Fp8TrainState, x, y, poison) -> tuple[Any, Any]:
+  def loss_fn(variables):
+    pred = state.apply_fn(variables, x).astype(F32)
+    loss = jnp.mean((pred - y) ** 2) * jnp.where(poison, jnp.inf, 1.0)
+    if isinstance(state.opt_state, mpx.LossScaleState):
+      return mpx.scale_loss(loss, state.opt_state), loss
+    return loss, loss
+
+  grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads), (loss, grads)
+
+
+# flax's fp8 layers compute NaN with float16 compute even under plain optax
+# (their kernel amax overflows), so bfloat16 it is, with and without scaling.
+@pytest.mark.parametrize("scaled", [False, True], ids=["mixed_precision", "loss_scale"])
+def test_linen_fp8_recipe_overwrites_metadata_only_on_applied_steps(scaled):
+  dtype = BF16
+  tx = mpx.mixed_precision(optax.adam(1e-2))
+  if scaled:
+    tx = mpx.loss_scale(tx, init_scale=2.0**10)
+  x, y = _regression_data(1)
+  model = _Fp8MLP(dtype)
+  variables = model.init(jax.random.key(0), x)
+  state = _Fp8TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  # The optimizer knows nothing of the metadata: no master, no moment.
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.opt_state)]
+  assert any("kernel" in p for p in paths)
+  assert not any("Fp8" in p or "amax" in p for p in paths), paths
+
+  losses, applied = [], 0
+  for _ in range(30):
+    before = state
+    state, (loss, grads) = _fp8_step(state, x, y, False)
+    losses.append(float(loss))
+    if not scaled or bool(state.opt_state.last_step_finite):
+      applied += 1
+      # Taken verbatim: not unscaled, not stepped on, not rounded.
+      _assert_bitwise(state.params[FP8], grads[FP8])
+    else:  # an overflow of the scaled gradients: skipped, metadata kept
+      _assert_bitwise(state.params, before.params)
+  assert losses[-1] < 0.5 * losses[0], losses
+  assert applied >= 25
+  history = state.params[FP8]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+  assert np.count_nonzero(np.asarray(history)) == applied  # one amax per applied step
+  masters = mpx.master_params(state.opt_state, state.params["params"])
+  _assert_bitwise(state.params["params"], mpx.cast_tree(masters, dtype))
+
+  before = state
+  state, (loss, grads) = _fp8_step(state, x, y, True)
+  assert not np.isfinite(float(loss))
+  _assert_bitwise(state.params, before.params)  # metadata included
+  _assert_bitwise(
+    mpx.master_params(state.opt_state, state.params["params"]),
+    mpx.master_params(before.opt_state, before.params["params"]),
+  )
+  if scaled:
+    assert float(state.opt_state.loss_scale) == float(before.opt_state.loss_scale) / 2
+  state, (loss, _) = _fp8_step(state, x, y, False)
+  assert np.isfinite(float(loss)) and float(loss) < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("wrap", ["mixed_precision", "loss_scale"])
+def test_fp8_metadata_given_to_the_optimizer_is_refused(wrap):
+  x, _ = _regression_data(1)
+  variables = _Fp8MLP().init(jax.random.key(0), x)
+  tx = mpx.mixed_precision(optax.adam(1e-2))
+  if wrap == "loss_scale":
+    tx = mpx.loss_scale(optax.adam(1e-2))
+  with pytest.raises(ValueError, match=r"_overwrite_with_gradient.*docs/howto.md"):
+    tx.init(variables)

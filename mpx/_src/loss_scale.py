@@ -234,6 +234,7 @@ def _loss_scaling(
   hands_over = isinstance(inner, MixedPrecisionTransformation)
 
   def init_fn(params: optax.Params) -> LossScaleState:
+    validation.refuse_fp8_metadata("loss_scale", params)
     return rule.initial_state(inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):

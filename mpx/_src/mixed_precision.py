@@ -232,6 +232,7 @@ def mixed_precision(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> Any:
+    validation.refuse_fp8_metadata("mixed_precision", params)
     stored = _store(mode, dtype, seed, params)
     leaves = _Leaves.align(mode, dtype, validation.gradient_params(params), params, stored)
     inner_state = inner.init(leaves.master_view(leaves.stored))

@@ -25,6 +25,27 @@ def check_transformation(inner: Any, name: str = "inner") -> None:
     )
 
 
+# flax.linen's fp8 layers keep their scales and amax histories in this
+# collection; its "gradients" are their new values (see refuse_fp8_metadata).
+FP8_COLLECTION = "_overwrite_with_gradient"
+
+
+def refuse_fp8_metadata(name: str, params: Any) -> None:
+  """Refuses flax fp8 metadata among the params: an optimizer would treat the
+  new values that come as their gradients as gradients (unscale them, step
+  on them), and nothing would keep them on a skipped step."""
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if any(getattr(key, "key", None) == FP8_COLLECTION for key in path):
+      raise ValueError(
+        f"{name}: the params hold flax's {FP8_COLLECTION!r} collection (fp8 scales "
+        "and amax histories, at "
+        f"{tree_lib.path_str(path)!r}). Their 'gradients' are new values, not "
+        "gradients: give the optimizer variables['params'] only, and take the new "
+        "values when the step is applied (flax's TrainState splits the collection "
+        "off; see 'Train flax fp8 layers' in docs/howto.md for the skip-safe recipe)."
+      )
+
+
 def describe(leaf: Any) -> str:
   """``float32[2, 3]``-style text for error messages."""
   dtype = tree_lib.leaf_dtype(leaf)
