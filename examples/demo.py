@@ -64,6 +64,7 @@ import dataclasses
 import functools
 import os
 import pathlib
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -359,28 +360,30 @@ def relative_gap(result: Result, reference: Result) -> float:
   return (result.val_loss - reference.val_loss) / reference.val_loss
 
 
-def print_table(results: list[Result]) -> None:
-  """One row per mode, FP32 (the first) as the reference."""
+TABLE_HEADER = (
+  f"{'mode':<19}{'params':>9}{'train loss':>11}{'val loss':>9}{'vs fp32':>9}"
+  f"{'tokens/s':>10}{'state B/param':>14}{'skipped':>8}{'loss scale':>11}"
+)
+
+
+def table_lines(results: list[Result]) -> list[str]:
+  """One row per mode, FP32 (the first) as the reference, and a legend."""
   reference = results[0]
-  header = (
-    f"{'mode':<19}{'params':>9}{'train loss':>11}{'val loss':>9}{'vs fp32':>9}"
-    f"{'tokens/s':>10}{'state B/param':>14}{'skipped':>8}{'loss scale':>11}"
-  )
-  print(header)
-  print("-" * len(header))
+  lines = [TABLE_HEADER, "-" * len(TABLE_HEADER)]
   for r in results:
-    print(
+    lines.append(
       f"{r.mode:<19}{r.param_dtype:>9}{r.train_loss:>11.4f}{r.val_loss:>9.4f}"
       f"{relative_gap(r, reference):>+9.2%}{r.tokens_per_s:>10,.0f}"
       f"{r.state_bytes_per_param:>14.2f}"
       f"{'-' if r.skipped_steps is None else r.skipped_steps:>8}"
       f"{'-' if r.loss_scale is None else f'{r.loss_scale:g}':>11}"
     )
-  print(
-    "losses: nats per byte; train loss: mean of the last chunk of steps; vs fp32: relative\n"
-    "validation-loss gap; state B/param: optimizer-state bytes per parameter. CPUs have no\n"
-    "fast 16-bit matmuls, so tokens/s of the 16-bit modes only improves on GPUs and TPUs."
-  )
+  return [
+    *lines,
+    "losses: nats per byte; train loss: mean of the last chunk of steps; vs fp32: relative",
+    "validation-loss gap; state B/param: optimizer-state bytes per parameter. CPUs have no",
+    "fast 16-bit matmuls, so tokens/s of the 16-bit modes only improves on GPUs and TPUs.",
+  ]
 
 
 def differences(result: Result, reference: Result) -> list[str]:
@@ -410,8 +413,10 @@ def differences(result: Result, reference: Result) -> list[str]:
   return found
 
 
-def check(results: list[Result], tolerance: float, min_gap: float, gaps: bool = True) -> bool:
-  """Prints an OK or FAIL line per claim; returns whether all hold.
+def check(
+  results: list[Result], tolerance: float, min_gap: float, gaps: bool = True
+) -> tuple[bool, list[str]]:
+  """An OK or FAIL line per claim, and whether all hold.
 
   ``bf16+mpx remainder`` must be bitwise identical to ``bf16+mpx``, at any
   size. With ``gaps`` (not for the smoke size, too small to mean anything),
@@ -421,32 +426,33 @@ def check(results: list[Result], tolerance: float, min_gap: float, gaps: bool = 
   by_mode = {r.mode: r for r in results}
   found = differences(by_mode[REMAINDER], by_mode["bf16+mpx"])
   ok = not found
+  lines = []
   if ok:
-    print(
+    lines.append(
       f"OK: {REMAINDER} is bitwise identical to bf16+mpx (losses at all "
       f"{by_mode[REMAINDER].losses.size} steps, final params, validation loss)"
     )
   else:
-    print(f"FAIL: {REMAINDER} differs from bf16+mpx: {'; '.join(found)}")
+    lines.append(f"FAIL: {REMAINDER} differs from bf16+mpx: {'; '.join(found)}")
   if not gaps:
-    return ok
+    return ok, lines
   reference = by_mode["fp32"]
   for mode in MIXED:
     gap = relative_gap(by_mode[mode], reference)
     good = gap <= tolerance
     ok &= good
-    print(
+    lines.append(
       f"{'OK' if good else 'FAIL'}: {mode} validation loss {gap:+.2%} vs FP32 "
       f"(must be within {tolerance:.1%})"
     )
   gap = relative_gap(by_mode[NO_MASTERS], reference)
   good = gap > min_gap
   ok &= good
-  print(
+  lines.append(
     f"{'OK' if good else 'FAIL'}: {NO_MASTERS} validation loss {gap:+.2%} vs FP32 "
     f"(must be worse by more than {min_gap:.1%})"
   )
-  return ok
+  return ok, lines
 
 
 def smooth(x: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -565,6 +571,11 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     help="smallest relative val-loss gap of bf16 without masters to FP32 (0.02)",
   )
   parser.add_argument("--no-check", action="store_true", help="report only; always exit 0")
+  parser.add_argument(
+    "--readme",
+    type=pathlib.Path,
+    help="write this run's table into the results block of this file (README.md)",
+  )
   args = parser.parse_args(argv)
   args.smoke = args.smoke or os.environ.get("MPX_SMOKE", "") not in ("", "0")
   preset = SMOKE if args.smoke else DEFAULT
@@ -627,14 +638,57 @@ def main(argv: list[str] | None = None) -> int:
   )
 
   results = [train(mode, settings, data, fp32_params) for mode in MODES]
+  ok, checks = True, []
+  if not args.no_check:
+    ok, checks = check(results, args.tolerance, args.min_gap, gaps=not args.smoke)
+  report = table_lines(results) + checks
   print()
-  print_table(results)
+  print("\n".join(report))
   plot(results, args.out, title)
   print(f"plot: {args.out}")
-  print(f"wall time: {time.perf_counter() - start:.0f} s")
-  if args.no_check:
-    return 0
-  return 0 if check(results, args.tolerance, args.min_gap, gaps=not args.smoke) else 1
+  seconds = time.perf_counter() - start
+  print(f"wall time: {seconds:.0f} s")
+  if args.readme:
+    write_readme_block(args.readme, report, results, seconds, argv)
+    print(f"updated the results block of {args.readme}")
+  return 0 if ok else 1
+
+
+README_START = "<!-- demo-results:start (written by examples/demo.py --readme README.md) -->"
+README_END = "<!-- demo-results:end -->"
+
+
+def write_readme_block(
+  path: pathlib.Path,
+  report: list[str],
+  results: list[Result],
+  seconds: float,
+  argv: list[str] | None,
+) -> None:
+  """Replaces what lies between the README's two markers by this run: where
+  and how long it ran, its table and checks verbatim, and the gaps in words."""
+  text = path.read_text()
+  if text.count(README_START) != 1 or text.count(README_END) != 1:
+    raise SystemExit(f"--readme: {path} needs one {README_START!r} and one {README_END!r} line")
+  head, rest = text.split(README_START)
+  _, tail = rest.split(README_END)
+  flags = sys.argv[1:] if argv is None else argv
+  command = " ".join(["python examples/demo.py", *flags])
+  by_mode = {r.mode: r for r in results}
+  worst = max(abs(relative_gap(by_mode[m], results[0])) for m in MIXED)
+  load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+  block = [
+    f"On a {os.cpu_count()}-core {platform.machine()} CPU (`{command}`, {seconds:.0f} s, "
+    f"load average {load} at the end):",
+    "",
+    "```",
+    *report,
+    "```",
+    "",
+    f"Every mpx row ends within {worst:.2%} of FP32's validation loss; bf16 without "
+    f"master weights ends {relative_gap(by_mode[NO_MASTERS], results[0]):+.2%} from it.",
+  ]
+  path.write_text(head + README_START + "\n" + "\n".join(block) + "\n" + README_END + tail)
 
 
 if __name__ == "__main__":

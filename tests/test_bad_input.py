@@ -446,3 +446,31 @@ def test_b24_loss_scale_without_mixed_precision_on_float32_params_works():
 def test_b25_loss_scale_inside_mixed_precision_is_refused():
   with pytest.raises(ValueError, match=r"wraps a loss_scale.*mpx.loss_scale\(mpx.mixed_precision"):
     mpx.mixed_precision(mpx.loss_scale(optax.sgd(0.1))).init({"w": jnp.ones(2, jnp.float16)})
+
+
+_AFTER = r"an optax.chain runs 1 rule\(s\) after mpx.mixed_precision\. .*must wrap the whole"
+
+
+def test_b29_a_rule_chained_after_mixed_precision_is_refused_under_loss_scale():
+  params = {"w": jnp.ones(2, jnp.float16)}
+  chained = optax.chain(mpx.mixed_precision(optax.scale_by_adam()), optax.scale(-0.1))
+  with pytest.raises(ValueError, match="loss_scale: " + _AFTER):
+    mpx.loss_scale(chained).init(params)
+  # Rules before it, and rules inside it, are fine.
+  before = optax.chain(optax.clip_by_global_norm(1.0), mpx.mixed_precision(optax.adam(0.1)))
+  mpx.loss_scale(before).init(params)
+  mpx.loss_scale(mpx.mixed_precision(optax.chain(optax.scale_by_adam(), optax.scale(-0.1)))).init(
+    params
+  )
+
+
+def test_b29_master_params_refuses_a_rule_chained_after_mixed_precision():
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  tx = optax.chain(mpx.mixed_precision(optax.scale_by_adam()), optax.scale(-0.1))
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="master_params: " + _AFTER):
+    mpx.master_params(state, params)
+  # Deeper too: inside a MultiSteps.
+  state = optax.MultiSteps(tx, every_k_schedule=2).init(params)
+  with pytest.raises(ValueError, match="master_params: " + _AFTER):
+    mpx.master_params(state, params)

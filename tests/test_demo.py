@@ -187,17 +187,19 @@ def made_up_results(demo, val_losses: dict[str, float]) -> list:
   ]
 
 
-def test_check_passes_made_up_results(demo, capsys):
+def test_check_passes_made_up_results(demo):
   results = made_up_results(demo, {"bf16 stochastic": 1.019, "bf16 no masters": 1.021})
-  assert demo.check(results, tolerance=0.02, min_gap=0.02)
-  out = capsys.readouterr().out
+  ok, lines = demo.check(results, tolerance=0.02, min_gap=0.02)
+  assert ok
+  out = "\n".join(lines)
   assert "FAIL" not in out and out.count("OK:") == 6, out
 
 
-def test_check_fails_stochastic_beyond_tolerance_or_no_masters_too_close(demo, capsys):
+def test_check_fails_stochastic_beyond_tolerance_or_no_masters_too_close(demo):
   results = made_up_results(demo, {"bf16 stochastic": 1.021, "bf16 no masters": 1.019})
-  assert not demo.check(results, tolerance=0.02, min_gap=0.02)
-  out = capsys.readouterr().out
+  ok, lines = demo.check(results, tolerance=0.02, min_gap=0.02)
+  assert not ok
+  out = "\n".join(lines)
   assert "FAIL: bf16 stochastic validation loss +2.10% vs FP32" in out, out
   assert "FAIL: bf16 no masters validation loss +1.90% vs FP32" in out, out
   assert "OK: bf16+mpx remainder is bitwise identical" in out, out
@@ -229,12 +231,13 @@ def nudge_val_loss(result):
     (nudge_val_loss, "validation loss (1.0000000000000002 vs 1.0)"),
   ],
 )
-def test_check_fails_unless_remainder_is_bitwise_full(demo, capsys, change, named, gaps):
+def test_check_fails_unless_remainder_is_bitwise_full(demo, change, named, gaps):
   results = made_up_results(demo, {"bf16 no masters": 1.1})
   change(next(r for r in results if r.mode == "bf16+mpx remainder"))
   # With gaps=False (the smoke size) this is the only claim checked.
-  assert not demo.check(results, tolerance=0.02, min_gap=0.02, gaps=gaps)
-  out = capsys.readouterr().out
+  ok, lines = demo.check(results, tolerance=0.02, min_gap=0.02, gaps=gaps)
+  assert not ok
+  out = "\n".join(lines)
   assert "FAIL: bf16+mpx remainder differs from bf16+mpx: " in out and named in out, out
   assert ("vs FP32" in out) == gaps, out
 
@@ -242,3 +245,45 @@ def test_check_fails_unless_remainder_is_bitwise_full(demo, capsys, change, name
 def test_differences_finds_none_between_equal_copies(demo):
   full, remainder = made_up_results(demo, {})[1:3]
   assert demo.differences(remainder, full) == []
+
+
+# --- The README's results block ---------------------------------------------------
+
+
+def test_readme_block_is_rewritten_from_the_run_and_nothing_else(demo, tmp_path):
+  readme = tmp_path / "README.md"
+  before, after = "# Title\n\nintro\n", "\nrest of the page\n"
+  readme.write_text(f"{before}{demo.README_START}\nstale table\n{demo.README_END}{after}")
+  results = made_up_results(demo, {"bf16 stochastic": 1.004, "bf16 no masters": 1.033})
+  ok, checks = demo.check(results, tolerance=0.02, min_gap=0.02)
+  assert ok
+  report = demo.table_lines(results) + checks
+  demo.write_readme_block(readme, report, results, 279.4, ["--steps", "10"])
+  text = readme.read_text()
+  assert text.startswith(before + demo.README_START + "\n")
+  assert text.endswith(demo.README_END + after)
+  assert "stale table" not in text
+  assert "`python examples/demo.py --steps 10`, 279 s" in text
+  assert "\n```\n" + "\n".join(report) + "\n```\n" in text
+  assert "within 0.40% of FP32's validation loss" in text
+  assert "bf16 without master weights ends +3.30% from it" in text
+
+
+def test_readme_block_needs_both_markers(demo, tmp_path):
+  readme = tmp_path / "README.md"
+  readme.write_text(f"{demo.README_START}\nno end marker\n")
+  results = made_up_results(demo, {})
+  with pytest.raises(SystemExit, match="needs one"):
+    demo.write_readme_block(readme, [], results, 1.0, [])
+
+
+def test_the_readme_shows_a_table_in_the_demo_s_current_format(demo):
+  # The README's block is written by `python examples/demo.py --readme README.md`;
+  # a change to the table's columns fails here until the demo is run again.
+  text = (cli_output.EXAMPLES.parent / "README.md").read_text()
+  block = text.split(demo.README_START)[1].split(demo.README_END)[0]
+  assert demo.TABLE_HEADER in block.splitlines()
+  for mode in demo.MODES:
+    assert any(line.startswith(mode + " ") for line in block.splitlines()), mode
+  assert "OK: bf16+mpx remainder is bitwise identical to bf16+mpx" in block
+  assert "FAIL" not in block

@@ -1,7 +1,8 @@
 """``loss_scale`` hands its skip decision to the ``mixed_precision`` inside it.
 
-Whatever sits between or beside them (a clip before, a stateful rule after, a
-plain rule in another partition, ``MultiSteps``), a run with poisoned steps must
+Whatever sits between or beside them (a clip before, a stateful rule before,
+a plain rule in another partition, ``MultiSteps``; a rule *after* it is
+refused, see test_bad_input's B29), a run with poisoned steps must
 equal, bit for bit, a run of the same transformation fed only the clean steps:
 the hand-over must protect every piece of state, not only the masters. And the
 hand-over must deliver what it is for: no float32 buffer of updates or
@@ -36,8 +37,8 @@ LABELS = {"dense": "low", "norm": "full", "out": "low"}
 
 def keep_last_update() -> optax.GradientTransformation:
   """Passes updates through and keeps the last one in its state, as
-  ``scale_by_optimistic_gradient`` and L-BFGS do: the very update objects
-  mixed_precision returns end up in another rule's state."""
+  ``scale_by_optimistic_gradient`` and L-BFGS do: the very gradient objects
+  that reach mixed_precision end up in another rule's state."""
 
   def init(params):
     return {"last": jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)}
@@ -54,11 +55,11 @@ TRANSFORMATIONS = {
   "clip before": lambda: optax.chain(
     optax.clip_by_global_norm(0.5), mpx.mixed_precision(optax.adam(1e-2))
   ),
-  "stateful rule after": lambda: optax.chain(
-    mpx.mixed_precision(optax.adam(1e-2)), optax.trace(decay=0.5, accumulator_dtype=jnp.float32)
+  "stateful rule before": lambda: optax.chain(
+    optax.trace(decay=0.5, accumulator_dtype=jnp.float32), mpx.mixed_precision(optax.adam(1e-2))
   ),
-  "rule keeping the last update": lambda: optax.chain(
-    mpx.mixed_precision(optax.adam(1e-2)), keep_last_update()
+  "rule keeping the last gradient before": lambda: optax.chain(
+    keep_last_update(), mpx.mixed_precision(optax.adam(1e-2))
   ),
   "plain rule beside": lambda: optax.partition(
     {"low": mpx.mixed_precision(optax.adam(1e-2)), "full": optax.adam(1e-2)}, LABELS

@@ -24,7 +24,7 @@ import optax
 from mpx._src import skip, state_search, validation
 from mpx._src import tree as tree_lib
 from mpx._src.finite import all_finite
-from mpx._src.mixed_precision import MixedPrecisionTransformation
+from mpx._src.mixed_precision import MixedPrecisionTransformation, refuse_rules_chained_after
 from mpx._src.states import LossScaledGradients, LossScaleState, unscale_leaf
 
 DEFAULT_INIT_SCALE = 2.0**15
@@ -235,7 +235,9 @@ def _loss_scaling(
 
   def init_fn(params: optax.Params) -> LossScaleState:
     validation.refuse_fp8_metadata("loss_scale", params)
-    return rule.initial_state(inner.init(params))
+    inner_state = inner.init(params)
+    refuse_rules_chained_after("loss_scale", inner_state)
+    return rule.initial_state(inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, LossScaleState):

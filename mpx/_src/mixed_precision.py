@@ -178,7 +178,10 @@ def mixed_precision(
   optax.scale(-lr))``) would move the params somewhere the masters never go,
   and the masters would follow the unscaled direction. Put every rule inside
   (``mpx.mixed_precision(optax.chain(optax.scale_by_adam(),
-  optax.scale(-lr)))``); only :func:`mpx.loss_scale` goes around it.
+  optax.scale(-lr)))``); only :func:`mpx.loss_scale` goes around it. A
+  transformation cannot see what is chained after it, but the chain's state
+  shows it: :func:`mpx.loss_scale` (at ``init``) and :func:`master_params`
+  refuse such a state.
 
   A step whose gradients hold inf or NaN returns zero updates and leaves the
   stored masters and the inner state bitwise unchanged (counts, schedules and
@@ -331,6 +334,21 @@ def _stored_fields(state: Any, stored: Any, count: jax.Array | None) -> dict[str
   """The fields of ``state`` that hold what a step stores, as ``_replace`` takes them."""
   fields = {_STORED_FIELD[type(state)]: stored}
   return fields if count is None else {**fields, "rounding_count": count}
+
+
+def refuse_rules_chained_after(name: str, opt_state: Any) -> None:
+  """Refuses an ``optax.chain`` that runs a rule after a ``mixed_precision``:
+  its updates land each param on its new master's rounding, so any rule after
+  it moves the params where the masters never go (docs/concepts.md)."""
+  after = state_search.chained_after(opt_state, _ANY_STATE)
+  if after:
+    raise ValueError(
+      f"{name}: an optax.chain runs {len(after)} rule(s) after mpx.mixed_precision. "
+      "mixed_precision must wrap the whole rule: its updates land each param on its "
+      "master's rounding, and a rule after it would move the params where the masters "
+      "never go. Put every rule inside: "
+      "mpx.mixed_precision(optax.chain(..., optax.scale(-lr)))."
+    )
 
 
 def _refuse_loss_scale_inside(inner_state: Any) -> None:
@@ -540,6 +558,7 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
     >>> {k: str(v.dtype) for k, v in mpx.master_params(state, params).items()}
     {'b': 'float32', 'w': 'float32'}
   """
+  refuse_rules_chained_after("master_params", opt_state)
   result = params
   states: list[Any] = state_search.find_states(opt_state, _ANY_STATE)
   for state in states:

@@ -9,7 +9,7 @@ any depth without knowing the wrappers around it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 
@@ -49,3 +49,33 @@ def replace_states(
     return replace(type(state)(*inner))
 
   return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, state_type))
+
+
+def chained_after(tree: Any, state_type: type | tuple[type, ...]) -> list[Any]:
+  """The states that an ``optax.chain`` runs after a ``state_type`` state, at
+  any depth of ``tree``. optax.chain's state is a plain tuple of its rules'
+  states, in order (every other optax state is a NamedTuple, a dict or a
+  leaf), so a ``state_type`` instance inside a plain tuple, before its end,
+  is a rule chained in front of others."""
+  found: list[Any] = []
+
+  def visit(node: Any) -> None:
+    children: Any
+    if isinstance(node, state_type):
+      children = tuple(cast(Any, node))
+    elif type(node) is tuple:
+      for i, child in enumerate(node[:-1]):
+        if isinstance(child, state_type):
+          found.extend(node[i + 1 :])
+      children = node
+    elif isinstance(node, tuple | list):
+      children = tuple(node)
+    elif isinstance(node, dict):
+      children = tuple(node.values())
+    else:
+      return
+    for child in children:
+      visit(child)
+
+  visit(tree)
+  return found
