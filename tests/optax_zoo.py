@@ -103,38 +103,70 @@ def _rule(factory: Callable[..., Any], **kwargs: Any) -> Callable[[Injector], An
 _LINE_SEARCH = ("value", "grad", "value_fn")
 _C = optax.contrib
 
+# Optimizers that need nothing but a learning rate.
+_PLAIN = {
+  optax: (
+    "adabelief",
+    "adadelta",
+    "adagrad",
+    "adam",
+    "adamax",
+    "adamaxw",
+    "adamw",
+    "adan",
+    "amsgrad",
+    "fromage",
+    "lamb",
+    "lars",
+    "lion",
+    "nadam",
+    "nadamw",
+    "novograd",
+    "optimistic_adam",
+    "optimistic_adam_v2",
+    "optimistic_gradient_descent",
+    "radam",
+    "rprop",
+    "scale_by_learning_rate",
+    "scale_by_rprop",
+    "sign_sgd",
+    "signum",
+    "yogi",
+  ),
+  optax.contrib: (
+    "acprop",
+    "ademamix",
+    "adopt",
+    "cocob",
+    "dadapt_adamw",
+    "dog",
+    "dowg",
+    "madgrad",
+    "muon",
+    "prodigy",
+    "scale_by_madgrad",
+    "schedule_free_adamw",
+    "schedule_free_sgd",
+    "simplified_ademamix",
+  ),
+}
+
 CASES: dict[str, Case] = {
-  "optax.adabelief": Case(_rule(optax.adabelief)),
-  "optax.adadelta": Case(_rule(optax.adadelta)),
+  **{
+    f"{module.__name__}.{name}": Case(_rule(getattr(module, name)))
+    for module, names in _PLAIN.items()
+    for name in names
+  },
   # Factored second moments on the (4, 3) matrix.
   "optax.adafactor": Case(_rule(optax.adafactor, min_dim_size_to_factor=2)),
-  "optax.adagrad": Case(_rule(optax.adagrad)),
-  "optax.adam": Case(_rule(optax.adam)),
-  "optax.adamax": Case(_rule(optax.adamax)),
-  "optax.adamaxw": Case(_rule(optax.adamaxw)),
-  "optax.adamw": Case(_rule(optax.adamw)),
-  "optax.adan": Case(_rule(optax.adan)),
-  "optax.amsgrad": Case(_rule(optax.amsgrad)),
-  "optax.fromage": Case(_rule(optax.fromage)),
-  "optax.lamb": Case(_rule(optax.lamb)),
-  "optax.lars": Case(_rule(optax.lars)),
   "optax.lbfgs": Case(_rule(optax.lbfgs), extra_args=_LINE_SEARCH),
-  "optax.lion": Case(_rule(optax.lion)),
-  "optax.nadam": Case(_rule(optax.nadam)),
-  "optax.nadamw": Case(_rule(optax.nadamw)),
   "optax.noisy_sgd": Case(_rule(optax.noisy_sgd, key=jax.random.key(0))),
-  "optax.novograd": Case(_rule(optax.novograd)),
-  "optax.optimistic_adam": Case(_rule(optax.optimistic_adam)),
-  "optax.optimistic_adam_v2": Case(_rule(optax.optimistic_adam_v2)),
-  "optax.optimistic_gradient_descent": Case(_rule(optax.optimistic_gradient_descent)),
   "optax.polyak_sgd": Case(
     lambda make: make(optax.polyak_sgd, max_learning_rate=LEARNING_RATE),
     extra_args=("value",),
     rate_name="max_learning_rate",
   ),
-  "optax.radam": Case(_rule(optax.radam)),
   "optax.rmsprop": Case(_rule(optax.rmsprop, centered=True, momentum=0.9)),
-  "optax.rprop": Case(_rule(optax.rprop)),
   "optax.scale_by_backtracking_linesearch": Case(
     lambda make: optax.chain(
       optax.sgd(1.0),
@@ -147,13 +179,11 @@ CASES: dict[str, Case] = {
     extra_args=_LINE_SEARCH,
     rate_name="max_learning_rate",
   ),
-  "optax.scale_by_learning_rate": Case(_rule(optax.scale_by_learning_rate)),
   "optax.scale_by_polyak": Case(
     lambda make: make(optax.scale_by_polyak, max_learning_rate=LEARNING_RATE),
     extra_args=("value",),
     rate_name="max_learning_rate",
   ),
-  "optax.scale_by_rprop": Case(_rule(optax.scale_by_rprop)),
   "optax.scale_by_zoom_linesearch": Case(
     lambda make: optax.chain(
       optax.sgd(1.0),
@@ -163,10 +193,7 @@ CASES: dict[str, Case] = {
     rate_name="max_learning_rate",
   ),
   "optax.sgd": Case(_rule(optax.sgd, momentum=0.9, nesterov=True)),
-  "optax.sign_sgd": Case(_rule(optax.sign_sgd)),
-  "optax.signum": Case(_rule(optax.signum)),
   "optax.sm3": Case(_rule(optax.sm3, momentum=0.9)),
-  "optax.yogi": Case(_rule(optax.yogi)),
   # Optimizer wrappers: the learning rate injected is the wrapped rule's.
   "optax.lookahead": Case(
     lambda make: optax.lookahead(
@@ -179,25 +206,15 @@ CASES: dict[str, Case] = {
       make(optax.adam, learning_rate=LEARNING_RATE), freeze_mask={"w": False, "b": True, "s": False}
     )
   ),
-  "optax.contrib.acprop": Case(_rule(_C.acprop)),
-  "optax.contrib.ademamix": Case(_rule(_C.ademamix)),
-  "optax.contrib.adopt": Case(_rule(_C.adopt)),
-  "optax.contrib.cocob": Case(_rule(_C.cocob)),
-  "optax.contrib.dadapt_adamw": Case(_rule(_C.dadapt_adamw)),
-  "optax.contrib.dog": Case(_rule(_C.dog)),
-  "optax.contrib.dowg": Case(_rule(_C.dowg)),
   "optax.contrib.dpsgd": Case(
     _rule(_C.dpsgd, l2_norm_clip=1.0, noise_multiplier=0.1, seed=0), per_example=True
   ),
   "optax.contrib.galore": Case(_rule(_C.galore, rank=2, update_proj_gap=2)),
-  "optax.contrib.madgrad": Case(_rule(_C.madgrad)),
   "optax.contrib.mechanize": Case(
     lambda make: _C.mechanize(make(optax.adam, learning_rate=LEARNING_RATE))
   ),
   "optax.contrib.momo": Case(_rule(_C.momo), extra_args=("value",)),
   "optax.contrib.momo_adam": Case(_rule(_C.momo_adam), extra_args=("value",)),
-  "optax.contrib.muon": Case(_rule(_C.muon)),
-  "optax.contrib.prodigy": Case(_rule(_C.prodigy)),
   "optax.contrib.sam": Case(
     lambda make: _C.sam(make(optax.sgd, learning_rate=LEARNING_RATE), optax.sgd(0.05))
   ),
@@ -206,13 +223,9 @@ CASES: dict[str, Case] = {
       rank=2, update_proj_gap=2, base_optimizer=make(optax.adam, learning_rate=LEARNING_RATE)
     )
   ),
-  "optax.contrib.scale_by_madgrad": Case(_rule(_C.scale_by_madgrad)),
   "optax.contrib.schedule_free": Case(
     lambda make: make(_C.schedule_free, base_optimizer=optax.sgd(1.0), learning_rate=LEARNING_RATE)
   ),
-  "optax.contrib.schedule_free_adamw": Case(_rule(_C.schedule_free_adamw)),
-  "optax.contrib.schedule_free_sgd": Case(_rule(_C.schedule_free_sgd)),
-  "optax.contrib.simplified_ademamix": Case(_rule(_C.simplified_ademamix)),
   "optax.contrib.sophia": Case(_rule(_C.sophia, update_interval=2), extra_args=("obj_fn",)),
 }
 
