@@ -279,19 +279,16 @@ def loss(params: Any) -> jax.Array:
   return 0.5 * sum(jax.tree.leaves(terms))
 
 
-def _gradients(params: Any, step: int, case: Case) -> Any:
-  """Float32 gradients at ``params`` plus a step-dependent ripple (so that
-  successive steps differ in direction), rounded to each param's dtype."""
-  grads = jax.grad(loss)(_differentiated(params))
+def _gradients(reference_params: Any, params: Any, step: int, case: Case) -> Any:
+  """Float32 gradients at the reference's params plus a step-dependent ripple
+  (so that successive steps differ in direction), rounded to the dtype of each
+  of ``params`` (the low-precision run's): both runs are fed these."""
+  grads = jax.grad(loss)(_differentiated(reference_params))
   key = jax.random.fold_in(jax.random.key(2), step)
   grads = jax.tree.map(lambda g: g + 0.1 * jax.random.normal(key, g.shape), grads)
   if case.per_example:
     grads = jax.tree.map(lambda g: g * jnp.arange(1.0, 4.0).reshape((3,) + (1,) * g.ndim), grads)
-  return grads
-
-
-def _as_params(grads: Any, like: Any) -> Any:
-  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, like)
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, _differentiated(params))
 
 
 def _to_f32(tree: Any) -> Any:
@@ -383,17 +380,31 @@ def _check_params(label: str, state: Any, params: Any, reference_params: Any) ->
   return failures + _differences(f"{label} params", params, rounded)
 
 
+def _start(tx: Any, reference: Any, case: Case) -> tuple[Any, ...]:
+  """Both runs from the same params: ``tx`` on the bfloat16 ones and
+  ``reference`` on them in float32; each run's params, state and jitted step."""
+  params = _initial_params(case)
+  reference_params = _to_f32(params)
+  return (
+    params,
+    tx.init(params),
+    _step_fn(tx, case),
+    reference_params,
+    reference.init(reference_params),
+    _step_fn(reference, case),
+  )
+
+
 def check_mixed_precision(case: Case) -> list[str]:
   """Three steps of ``mixed_precision(rule)`` against ``rule`` in float32."""
   tx = mpx.mixed_precision(case.build(_plain))
   reference = case.build(_plain)
-  params = _initial_params(case)
-  reference_params = _to_f32(params)
-  state, reference_state = tx.init(params), reference.init(reference_params)
-  step, reference_step = _step_fn(tx, case), _step_fn(reference, case)
+  params, state, step, reference_params, reference_state, reference_step = _start(
+    tx, reference, case
+  )
   failures: list[str] = []
   for k in range(3):
-    grads = _as_params(_gradients(reference_params, k, case), _differentiated(params))
+    grads = _gradients(reference_params, params, k, case)
     extra = _extra(case, reference_params, grads)
     params, state, _ = step(grads, state, params, extra)
     reference_params, reference_state, _ = reference_step(
@@ -425,10 +436,9 @@ def check_loss_scale(case: Case) -> list[str]:
     mpx.mixed_precision(case.build(_injected)), init_scale=LOSS_SCALE, growth_interval=1000
   )
   reference = case.build(_injected)
-  params = _initial_params(case)
-  reference_params = _to_f32(params)
-  state, reference_state = tx.init(params), reference.init(reference_params)
-  step, reference_step = _step_fn(tx, case), _step_fn(reference, case)
+  params, state, step, reference_params, reference_state, reference_step = _start(
+    tx, reference, case
+  )
   failures: list[str] = []
   for k, kind in enumerate(["finite", "inf", "finite", "adjust", "finite"]):
     if kind == "adjust":
@@ -436,7 +446,7 @@ def check_loss_scale(case: Case) -> list[str]:
       reference_state = _set_rate(reference_state, case.rate_name, LEARNING_RATE / 2)
       continue
     scale = float(mpx.get_loss_scale(state))
-    grads = _as_params(_gradients(reference_params, k, case), _differentiated(params))
+    grads = _gradients(reference_params, params, k, case)
     extra = _extra(case, reference_params, grads, scale)
     scaled = _scaled(grads, scale)
     if kind == "inf":

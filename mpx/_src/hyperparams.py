@@ -85,10 +85,12 @@ def adjust(opt_state: optax.OptState, **hyperparams: Any) -> optax.OptState:
       ) from error
     # Where the old value lives (a mesh, under zero1_shardings), so the jitted
     # step sees the same input sharding: no recompilation, no transfer. An
-    # uncommitted old value (eager init on the default device) stays
-    # uncommitted: jit compiles committed arguments separately.
-    if not isinstance(old, jax.core.Tracer) and not isinstance(new, jax.core.Tracer):
-      new = jax.device_put(new, old.sharding) if old.committed else jax.device_put(new)
+    # uncommitted old value (eager init on the default device) is replaced by
+    # an uncommitted one, as jnp.asarray made it: jit compiles committed
+    # arguments separately.
+    concrete = not isinstance(old, jax.core.Tracer) and not isinstance(new, jax.core.Tracer)
+    if concrete and old.committed:
+      new = jax.device_put(new, old.sharding)
     return new
 
   def set_values(state: Any) -> Any:

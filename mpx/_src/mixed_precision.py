@@ -92,10 +92,7 @@ class _Leaves:
     flat, structure = jax.tree_util.tree_flatten_with_path(stored, is_leaf=tree_lib.no_master)
     treedef: Any = structure
     params_flat = treedef.flatten_up_to(params)
-    kinds = [
-      masters_lib.kind_for(mode, p, dtype, tree_lib.path_str(path) or "<root>")
-      for (path, _), p in zip(flat, params_flat, strict=True)
-    ]
+    kinds = _kinds(mode, dtype, [path for path, _ in flat], params_flat)
     stored_flat = [s for _, s in flat]
     mirrored = validation.gradient_params(params)
     if mirrored is params:
@@ -103,10 +100,7 @@ class _Leaves:
     else:
       grad_flat, grad_treedef = jax.tree_util.tree_flatten_with_path(mirrored)
       grad_params = [p for _, p in grad_flat]
-      grad_kinds = [
-        masters_lib.kind_for(mode, p, dtype, tree_lib.path_str(path) or "<root>")
-        for path, p in grad_flat
-      ]
+      grad_kinds = _kinds(mode, dtype, [path for path, _ in grad_flat], grad_params)
     grads_flat = grad_treedef.flatten_up_to(grads)
     return cls(
       treedef, kinds, params_flat, stored_flat, grads_flat, grad_treedef, grad_kinds, grad_params
@@ -119,6 +113,14 @@ class _Leaves:
       for k, s, p in zip(self.kinds, stored, self.params, strict=True)
     ]
     return self.treedef.unflatten(view)
+
+
+def _kinds(mode: str, dtype: Any, paths: list[Any], params: list[Any]) -> list[Any]:
+  """The storage kind of each param leaf, given its key path (for messages)."""
+  return [
+    masters_lib.kind_for(mode, p, dtype, tree_lib.path_str(path) or "<root>")
+    for path, p in zip(paths, params, strict=True)
+  ]
 
 
 def mixed_precision(
@@ -314,9 +316,10 @@ def _store(mode: str, dtype: Any, seed: int, params: Any) -> Any:
   flat, structure = jax.tree_util.tree_flatten_with_path(params)
   treedef: Any = structure
   source = _master_seed()
+  params_flat = [param for _, param in flat]
+  kinds = _kinds(mode, dtype, [path for path, _ in flat], params_flat)
   stored = []
-  for index, (path, param) in enumerate(flat):
-    kind = masters_lib.kind_for(mode, param, dtype, tree_lib.path_str(path) or "<root>")
+  for index, (kind, param) in enumerate(zip(kinds, params_flat, strict=True)):
     if isinstance(kind, masters_lib.NoMaster):
       stored.append(optax.MaskedNode())
     elif isinstance(kind, masters_lib.Stochastic):

@@ -9,7 +9,7 @@ any depth without knowing the wrappers around it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import jax
 
@@ -61,14 +61,12 @@ def chained_after(tree: Any, state_type: type | tuple[type, ...]) -> list[Any]:
 
   def visit(node: Any) -> None:
     children: Any
-    if isinstance(node, state_type):
-      children = tuple(cast(Any, node))
-    elif type(node) is tuple:
+    if type(node) is tuple:
       for i, child in enumerate(node[:-1]):
         if isinstance(child, state_type):
           found.extend(node[i + 1 :])
       children = node
-    elif isinstance(node, tuple | list):
+    elif isinstance(node, tuple | list):  # NamedTuple states, state_type's included
       children = tuple(node)
     elif isinstance(node, dict):
       children = tuple(node.values())
