@@ -11,6 +11,7 @@ gradients in float32, skips non-finite steps and adapts the scale.
 """
 
 from mpx._src.finite import all_finite
+from mpx._src.full_precision import init_from_full_precision
 from mpx._src.hyperparams import adjust
 from mpx._src.loss_scale import (
   get_loss_scale,
@@ -19,14 +20,14 @@ from mpx._src.loss_scale import (
   static_loss_scale,
   unscale,
 )
-from mpx._src.masters import MixedPrecisionRemainderState, MixedPrecisionStochasticState
-from mpx._src.mixed_precision import (
-  init_from_full_precision,
-  master_params,
-  mixed_precision,
-)
+from mpx._src.mixed_precision import master_params, mixed_precision
 from mpx._src.sharding import zero1_shardings
-from mpx._src.states import LossScaleState, MixedPrecisionState
+from mpx._src.states import (
+  LossScaleState,
+  MixedPrecisionRemainderState,
+  MixedPrecisionState,
+  MixedPrecisionStochasticState,
+)
 from mpx._src.sync import sync_masters
 from mpx._src.tree import cast_tree, select_tree
 

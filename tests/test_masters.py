@@ -21,7 +21,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from treecheck import round_to_bfloat16, tree_equal
+from treecheck import round_to_bfloat16, skip_recorded, tree_equal
 
 import mpx
 
@@ -184,7 +184,7 @@ def test_state_bytes_per_parameter_for_adamw_on_bf16():
 def stochastic_step(params, grads, seed=0, count=0):
   tx = mpx.mixed_precision(optax.sgd(1.0), masters="stochastic", seed=seed)
   state = tx.init(params)
-  state = state._replace(rounding_count=jnp.int32(count))
+  state = state._replace(applied_steps=jnp.int32(count))
   updates, state = jax.jit(tx.update)(grads, state, params)
   return optax.apply_updates(params, updates), state
 
@@ -219,7 +219,7 @@ def test_stochastic_bits_are_independent_per_element_leaf_step_and_seed():
   up = lambda new: np.asarray(new, np.float32) > 1  # noqa: E731
   first, state = stochastic_step(params, grads)
   a, b = up(first["a"]), up(first["b"])
-  assert int(state.rounding_count) == 1
+  assert int(state.applied_steps) == 1
   # Each element rounds up with probability 1/2, independently: the leaves,
   # neighbouring elements, the next step and another seed all disagree on about half.
   tolerance = 5 * np.sqrt(0.25 / n)
@@ -244,13 +244,13 @@ def test_a_skipped_step_leaves_the_stochastic_state_bitwise_unchanged():
   u1, s1 = update(good, state, params)
   p1 = optax.apply_updates(params, u1)
   u2, s2 = update(bad, s1, p1)
-  assert tree_equal(s2, s1)
+  assert skip_recorded(s2, s1)  # the random-bit counter included
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(u2))
-  assert int(s1.rounding_count) == 1 and int(s2.rounding_count) == 1
+  assert int(s1.applied_steps) == 1 and int(s2.applied_steps) == 1
   # The next applied step draws the bits step 2 would have drawn with no skip.
   u3, s3 = update(good, s2, p1)
   u3_ref, _ = update(good, s1, p1)
-  assert tree_equal(u3, u3_ref) and int(s3.rounding_count) == 2
+  assert tree_equal(u3, u3_ref) and int(s3.applied_steps) == 2
 
 
 def test_stochastic_bits_do_not_depend_on_the_sharding():
@@ -295,7 +295,7 @@ def test_stochastic_training_follows_float32_where_plain_bf16_stalls():
   params, state = train(params)
   g = float(np.asarray(grads["w"][0], np.float32))
   assert abs(float(np.mean(np.asarray(params["w"], np.float32))) - (1 - 2000 * g)) < 2e-3
-  assert int(state.rounding_count) == 2000
+  assert int(state.applied_steps) == 2000
 
 
 # --- Every mode composes -----------------------------------------------------------------
@@ -323,7 +323,9 @@ def test_loss_scale_wraps_every_mode(masters):
   assert int(state.skipped_steps) == 1 and float(state.loss_scale) == 2.0**7
   for t, k in zip([0, 1, 3, 4, 5], range(5), strict=True):
     assert tree_equal(got[t][0], ref[k][0]), t
-    assert tree_equal(got[t][1].inner_state, ref[k][2]), t
+    mp_state = got[t][1].inner_state
+    assert int(mp_state.nonfinite_steps) == int(t > 2), t  # the skip, counted
+    assert tree_equal(mp_state._replace(nonfinite_steps=ref[k][2].nonfinite_steps), ref[k][2]), t
 
 
 @pytest.mark.parametrize("masters", ["remainder", "stochastic"])
@@ -340,7 +342,7 @@ def test_zero1_shardings_split_the_compact_state(masters):
     assert state.master_remainders["w"].addressable_shards[0].data.shape == (8, 8)
   else:
     assert state.rounding_keys["w"].sharding.spec == P()  # one scalar key per leaf
-    assert state.rounding_count.sharding.spec == P()
+    assert state.applied_steps.sharding.spec == P()
 
 
 def test_master_params_in_every_mode():

@@ -30,3 +30,40 @@ def round_like_params(x, param_dtype):
   if np.dtype(param_dtype) == np.dtype(jax.numpy.bfloat16):
     return round_to_bfloat16(x)
   return np.asarray(x, np.float32).astype(param_dtype)
+
+
+def _is_mp_state(x) -> bool:
+  import mpx
+
+  return isinstance(
+    x,
+    (mpx.MixedPrecisionState, mpx.MixedPrecisionRemainderState, mpx.MixedPrecisionStochasticState),
+  )
+
+
+def mp_states(tree) -> list:
+  """The ``mixed_precision`` states in ``tree``, in tree order."""
+  return [x for x in jax.tree.leaves(tree, is_leaf=_is_mp_state) if _is_mp_state(x)]
+
+
+def without_skip_counts(tree):
+  """``tree`` with the ``nonfinite_steps`` of every ``mixed_precision`` state
+  zeroed: what a run that never met the skipped steps would hold."""
+
+  def uncount(x):
+    return x._replace(nonfinite_steps=np.zeros((), np.int32)) if _is_mp_state(x) else x
+
+  return jax.tree.map(uncount, tree, is_leaf=_is_mp_state)
+
+
+def skip_recorded(after, before) -> bool:
+  """Whether ``after`` is ``before`` with one skipped step recorded: every
+  ``mixed_precision`` state in it counted one more non-finite step, and
+  every other leaf (masters, inner states, random-bit counters) is bitwise
+  unchanged. A LossScaleState's own counters are checked by the caller."""
+  counted = mp_states(after), mp_states(before)
+  if len(counted[0]) != len(counted[1]) or not all(
+    int(a.nonfinite_steps) == int(b.nonfinite_steps) + 1 for a, b in zip(*counted, strict=True)
+  ):
+    return False
+  return tree_equal(without_skip_counts(after), without_skip_counts(before))

@@ -1,9 +1,10 @@
 """``loss_scale``: dynamic (or static) loss scaling with step skipping.
 
-One step, top to bottom (see docs/design.md): check the raw gradients, agree
-on the verdict across ``axis_name``, run the inner rule on the unscaled
-gradients only if they are finite, then move the scale by
-:meth:`ScaleRule.adjust`. The scale, its growth tracker and the skip counters
+One step, top to bottom (see docs/design.md): the verdict (every gradient
+finite as the inner rule receives it, agreed across ``axis_name``; see
+:mod:`mpx._src.verdict` for who computes it), the inner rule run on the
+unscaled gradients only if it holds, then the scale moved by
+:meth:`ScaleRule.adjust` on that verdict. The scale, its growth tracker and the skip counters
 live in the optimizer state, so the whole rule is pure, jit-compiled and
 host-sync free. The configuration (factors, interval, floor, cap) lives in the
 transformation, not in the state: it cannot be lost by ``jit``, ``tree_map``
@@ -21,11 +22,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpx._src import skip, state_search, validation
+from mpx._src import skip, state_search, validation, verdict
 from mpx._src import tree as tree_lib
-from mpx._src.finite import all_finite
-from mpx._src.mixed_precision import MixedPrecisionTransformation, refuse_rules_chained_after
-from mpx._src.states import LossScaledGradients, LossScaleState, unscale_leaf
+from mpx._src.states import LossScaleState
 
 DEFAULT_INIT_SCALE = 2.0**15
 DEFAULT_MIN_SCALE = 1.0
@@ -216,27 +215,20 @@ def _inverse(scale: jax.Array) -> jax.Array:
   return (1.0 / scale).astype(jnp.float32)
 
 
-def _finite_across(finite: jax.Array, axis_name: Any) -> jax.Array:
-  """The finite flag, AND-ed over ``axis_name`` so every replica agrees."""
-  if axis_name is None:
-    return finite
-  return jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-
-
 def _loss_scaling(
   inner: optax.GradientTransformation, rule: ScaleRule, axis_name: Any
 ) -> optax.GradientTransformationExtraArgs:
   """The transformation behind :func:`loss_scale` and :func:`static_loss_scale`."""
   validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
-  # Paired at construction: only a mixed_precision given directly as `inner`
-  # receives the raw gradients with the hand-over (docs/design.md).
-  hands_over = isinstance(inner, MixedPrecisionTransformation)
+  # Decided once, here: only a transformation given directly as `inner` that
+  # takes the raw scaled gradients (mixed_precision) computes the verdict itself.
+  hands_over = isinstance(inner, verdict.TakesLossScaledGradients)
 
   def init_fn(params: optax.Params) -> LossScaleState:
     validation.refuse_fp8_metadata("loss_scale", params)
     inner_state = inner.init(params)
-    refuse_rules_chained_after("loss_scale", inner_state)
+    validation.refuse_rules_chained_after("loss_scale", inner_state)
     return rule.initial_state(inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -246,60 +238,80 @@ def _loss_scaling(
         "LossScaleState: pass the state made by this transformation's init."
       )
     rule.check_state(state)
-    per_example = params is not None and validation.check_grads_match_params(
-      "loss_scale", updates, params
-    )
-    inverse_scale = _inverse(state.loss_scale)  # the scale this step's loss was multiplied by
+    # The scale this step's loss was multiplied by, not the one about to be chosen.
+    unscaling = verdict.Unscaling(_inverse(state.loss_scale), rule.min_scale >= 1.0, axis_name)
     # L-BFGS's value= and grad= come from the scaled loss, like the gradients:
     # unscaled here, so its line search compares them with value_fn's loss.
     extra_args = {
-      name: _unscale_all(value, inverse_scale) if name in ("value", "grad") else value
+      name: _unscale_all(value, unscaling) if name in ("value", "grad") else value
       for name, value in extra_args.items()
     }
-    finite = _finite_across(all_finite(_to_check(updates, inverse_scale, rule)), axis_name)
     if hands_over:
-      handover = LossScaledGradients(inverse_scale=inverse_scale, finite=finite)
+      # The mixed_precision unscales inside its cond, computes the verdict and
+      # counts a skip in its state: read back here, it moves the scale.
       new_updates, new_inner = inner.update(
-        updates, state.inner_state, params, loss_scaled=handover, **extra_args
+        updates, state.inner_state, params, unscaling=unscaling, **extra_args
       )
+      finite = verdict.recorded(state.inner_state, new_inner)
     else:
-      if params is not None:
-        expected = jax.eval_shape(inner.init, params)
-        validation.check_state_like("loss_scale", state.inner_state, expected, "inner_state/")
-
-      def step(inner_state, grads, params):
-        # Unscaled inside the cond, so the float32 copy fuses into the update.
-        grads = _unscale_all(grads, inverse_scale)
-        new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
-        validation.check_state_types_kept("loss_scale", new_inner, inner_state)
-        return new_inner, new_updates
-
-      new_inner, new_updates, _ = skip.apply_if_finite(
-        finite, step, state.inner_state, updates, params
+      new_updates, new_inner, finite = _general_step(
+        inner, state.inner_state, updates, params, unscaling, extra_args
       )
-      if per_example:  # the inner rule must have reduced the leading axes
-        validation.check_updates_reduced("loss_scale", new_updates, params)
     return new_updates, rule.adjust(state, finite)._replace(inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _unscale_all(tree: Any, inverse_scale: jax.Array) -> Any:
-  """The floating leaves of ``tree`` unscaled in float32; the others as they are."""
-  return jax.tree.map(lambda leaf: unscale_leaf(leaf, inverse_scale), tree)
+def _general_step(
+  inner: optax.GradientTransformationExtraArgs,
+  inner_state: Any,
+  grads: Any,
+  params: Any,
+  unscaling: verdict.Unscaling,
+  extra_args: dict[str, Any],
+) -> tuple[Any, Any, jax.Array]:
+  """``loss_scale`` around anything but a ``mixed_precision`` given directly:
+  ``(updates, inner_state, finite)``. The verdict is taken on the gradients
+  before ``inner`` runs, inside one ``lax.cond``; a ``mixed_precision`` deeper
+  inside may still skip (a rule in front of it made an inf), and then the
+  whole inner state is rolled back, so nothing around it advances either."""
+  per_example = params is not None and validation.check_grads_match_params(
+    "loss_scale", grads, params
+  )
+  if params is not None:
+    expected = jax.eval_shape(inner.init, params)
+    validation.check_state_like("loss_scale", inner_state, expected, "inner_state/")
+  flat = jax.tree.leaves(grads)
+  finite = verdict.gradients_finite(flat, [None] * len(flat), unscaling)
+  rolls_back = verdict.has_recorder(inner_state)
+
+  def step(inner_state, grads, params):
+    # Unscaled inside the cond, so the float32 copy fuses into the update.
+    grads = _unscale_all(grads, unscaling)
+    updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
+    validation.check_state_types_kept("loss_scale", new_inner, inner_state)
+    if not rolls_back:
+      return new_inner, (updates, jnp.asarray(True))
+    applied = verdict.agreed(verdict.recorded(inner_state, new_inner), unscaling.axis_name)
+    new_inner, updates = jax.lax.cond(
+      applied,
+      lambda: (new_inner, updates),
+      lambda: (inner_state, jax.tree.map(jnp.zeros_like, updates)),
+    )
+    return new_inner, (updates, applied)
+
+  new_inner, (updates, inner_applied), _ = skip.apply_if_finite(
+    finite, step, inner_state, grads, params
+  )
+  if per_example:  # the inner rule must have reduced the leading axes
+    validation.check_updates_reduced("loss_scale", updates, params)
+  return updates, new_inner, jnp.logical_and(finite, inner_applied)
 
 
-def _to_check(grads: tree_lib.PyTree, inverse_scale: jax.Array, rule: ScaleRule) -> Any:
-  """What the finite check reads: the raw gradients where unscaling cannot
-  overflow them (a scale >= 1 and at most 32 bits), else the unscaled ones (a
-  float64 gradient may overflow float32, and a scale < 1 may overflow anything)."""
-
-  def leaf(grad):
-    if rule.min_scale >= 1.0 and tree_lib.is_floating(grad) and tree_lib.float_bits(grad) <= 32:
-      return grad
-    return unscale_leaf(grad, inverse_scale)
-
-  return jax.tree.map(leaf, grads)
+def _unscale_all(tree: Any, unscaling: verdict.Unscaling) -> Any:
+  """The floating leaves of ``tree`` unscaled (in the wider of their dtype
+  and float32); the others as they are."""
+  return jax.tree.map(lambda leaf: verdict.received(leaf, None, unscaling), tree)
 
 
 def loss_scale(
@@ -316,44 +328,32 @@ def loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling with non-finite step skipping around ``inner``.
 
-  Multiply the loss by the current scale before differentiating (use
-  :func:`mpx.scale_loss`) and pass the resulting scaled gradients, of any
-  float dtype, to ``update``. Each step then follows PyTorch's ``GradScaler``
-  rule, with no host sync:
+  Multiply the loss by the current scale before differentiating
+  (:func:`mpx.scale_loss`) and pass the scaled gradients, of any float dtype,
+  to ``update``. Each step follows PyTorch's ``GradScaler`` rule, with no host
+  sync:
 
-  1. The gradients are unscaled **in float32** with the scale the loss was
-     multiplied by (the state's scale, not the one about to be chosen), so
-     ``inner`` sees float32 gradients: clipping and norms see true values.
-  2. If every unscaled gradient is finite, ``inner`` updates and the growth
-     tracker counts the step. After ``growth_interval`` consecutive finite
-     steps the scale is multiplied by ``growth_factor``, capped at
-     ``max_scale`` (so it never becomes inf), and the tracker restarts.
-  3. If any gradient is inf or NaN, the step is skipped: zero updates, the
-     inner state stays bitwise unchanged (its counts and schedules do not
-     advance), the tracker restarts and ``skipped_steps`` counts the step. Once
-     ``hysteresis`` non-finite steps have come in a row (at once, with the
-     default 1), the scale becomes ``max(scale * backoff_factor, min_scale)``,
-     and so on each further non-finite step of that run.
+  1. The gradients are unscaled with the scale the loss was multiplied by, in
+     the wider of their dtype and float32: ``inner`` sees true values.
+  2. The step's verdict: every gradient finite as ``inner`` receives it (a
+     ``mixed_precision`` given directly as ``inner`` computes it, cast to its
+     master dtype included), agreed across ``axis_name``. A
+     ``mixed_precision`` deeper inside that still meets inf or NaN (made by a
+     rule in front of it) rolls the whole step back.
+  3. Applied: the growth tracker counts the step; the ``growth_interval``-th
+     in a row multiplies the scale by ``growth_factor`` (capped at
+     ``max_scale``). Skipped: zero updates, the inner state bitwise unchanged
+     (counts and schedules do not advance), ``skipped_steps`` counts it, and
+     once ``hysteresis`` have come in a row the scale becomes
+     ``max(scale * backoff_factor, min_scale)``.
 
-  With ``axis_name`` (inside ``shard_map`` or ``pmap``), the finite decision
-  is reduced over that axis so every replica skips, or applies, together and
-  the scales stay identical.
-
-  Defaults: the initial scale is ``2**15``, the largest power of two below the
-  fp16 maximum 65504 (``2**16 = 65536`` would overflow as soon as a gradient
-  of 1 is scaled, skipping the first steps); ``min_scale`` 1 keeps a run of
-  genuine infs from shrinking the scale to nothing (lower it if your fp16
-  gradients exceed 65504 even unscaled); ``max_scale`` ``2**24`` as in Apex and
-  MXNet.
-
-  Extra keyword arguments of ``update`` reach ``inner``. Those named
-  ``value`` and ``grad`` (what ``optax.lbfgs``'s line search takes) are
-  taken to come from the scaled loss, like the gradients, and are unscaled in
-  float32 first, so the line search compares them with the unscaled loss its
-  ``value_fn`` computes.
+  The default scale ``2**15`` is the largest power of two that does not
+  overflow fp16 for a gradient of 1. Extra keyword arguments reach ``inner``;
+  ``value`` and ``grad`` (``optax.lbfgs``'s) come from the scaled loss and
+  are unscaled first. Corner cases: docs/guarantees.md.
 
   Args:
-    inner: the rule to feed unscaled float32 gradients, typically
+    inner: the rule to feed the unscaled gradients, typically
       ``mpx.mixed_precision(optax.adamw(...))``.
     init_scale: the first scale.
     growth_factor: factor (> 1) applied after ``growth_interval`` finite steps.
@@ -492,4 +492,4 @@ def unscale(grads: tree_lib.PyTree, opt_state: optax.OptState) -> tree_lib.PyTre
     >>> mpx.unscale({"w": jnp.array([8.0, 2.0], jnp.float16)}, state)
     {'w': Array([2. , 0.5], dtype=float32)}
   """
-  return _unscale_all(grads, _inverse(get_loss_scale(opt_state)))
+  return _unscale_all(grads, verdict.Unscaling(_inverse(get_loss_scale(opt_state)), True))

@@ -1,36 +1,88 @@
-"""What mpx's two transformations share: their optimizer states, and the record
-``loss_scale`` hands to a ``mixed_precision`` it wraps directly.
+"""Every optimizer state mpx makes, in one place.
 
-Both ``mixed_precision.py`` and ``loss_scale.py`` import this module; neither
-imports the other's state from the other's module, so there is no import cycle.
+The rule: a state type is defined here, and nowhere else, so that each
+transformation reads the other's state through these public types and never
+through the other's module. The three ``mixed_precision`` states differ only
+in the field that holds what is stored per parameter (its name says what it
+holds, so ``optax.tree.get`` finds it); their other fields, and their order,
+are the same.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
-
-from mpx._src import tree as tree_lib
 
 
 class MixedPrecisionState(NamedTuple):
-  """State of :func:`mpx.mixed_precision`.
+  """State of :func:`mpx.mixed_precision` with ``masters="full"``.
 
   Attributes:
     master_params: the parameter tree with a ``dtype`` master copy at every
       floating leaf narrower than ``dtype`` and ``optax.MaskedNode()`` at every
       other leaf (those are updated in place, with no copy). The masters are
       the true weights; the low-precision parameters are their rounding.
+    applied_steps: int32, the number of steps applied.
+    nonfinite_steps: int32, the number of steps this transformation skipped
+      because a gradient, as the inner rule would receive it, held inf or NaN.
+      Under :func:`mpx.loss_scale`, read its ``skipped_steps``: it counts every
+      skip of the step, whoever found it.
     inner_state: the wrapped rule's state, built on the master view, so all of
       its floating leaves (Adam's moments, injected hyperparameters) are in
       ``dtype`` or wider.
   """
 
   master_params: optax.Params
+  applied_steps: jax.Array
+  nonfinite_steps: jax.Array
   inner_state: optax.OptState
+
+
+class MixedPrecisionRemainderState(NamedTuple):
+  """State of :func:`mpx.mixed_precision` with ``masters="remainder"``.
+
+  Attributes:
+    master_remainders: the parameter tree with, at every bfloat16 leaf, the
+      int16 that completes it to its float32 master (``join(param,
+      remainder)`` in :mod:`mpx._src.rounding`), and ``optax.MaskedNode()``
+      at every other leaf. Use :func:`mpx.master_params` for the masters.
+    applied_steps: as in :class:`MixedPrecisionState`.
+    nonfinite_steps: as in :class:`MixedPrecisionState`.
+    inner_state: the wrapped rule's state, built on the float32 master view.
+  """
+
+  master_remainders: optax.Params
+  applied_steps: jax.Array
+  nonfinite_steps: jax.Array
+  inner_state: optax.OptState
+
+
+class MixedPrecisionStochasticState(NamedTuple):
+  """State of :func:`mpx.mixed_precision` with ``masters="stochastic"``.
+
+  Attributes:
+    rounding_keys: the parameter tree with a uint32 scalar at every bfloat16
+      leaf (its stream of random bits, from ``seed`` and the leaf's position)
+      and ``optax.MaskedNode()`` at every other leaf.
+    applied_steps: int32, the number of applied steps; also the counter of
+      the random bits, so a skipped step draws no bits.
+    nonfinite_steps: as in :class:`MixedPrecisionState`.
+    inner_state: the wrapped rule's state, built on the params in float32.
+  """
+
+  rounding_keys: optax.Params
+  applied_steps: jax.Array
+  nonfinite_steps: jax.Array
+  inner_state: optax.OptState
+
+
+MIXED_PRECISION_STATES = (
+  MixedPrecisionState,
+  MixedPrecisionRemainderState,
+  MixedPrecisionStochasticState,
+)
 
 
 class LossScaleState(NamedTuple):
@@ -44,9 +96,9 @@ class LossScaleState(NamedTuple):
       growth or overflow.
     overflow_streak: int32 count of consecutive non-finite steps (drives
       ``hysteresis``).
-    skipped_steps: int32 total of steps skipped for non-finite gradients.
-    last_step_finite: bool, whether the last step's gradients were finite
-      (i.e. whether it was applied).
+    skipped_steps: int32 total of steps skipped for non-finite values: in the
+      gradients, in their cast to a master dtype, or made by a rule inside.
+    last_step_finite: bool, whether the last step was applied.
     inner_state: the wrapped rule's state.
   """
 
@@ -56,40 +108,3 @@ class LossScaleState(NamedTuple):
   skipped_steps: jax.Array
   last_step_finite: jax.Array
   inner_state: optax.OptState
-
-
-class LossScaledGradients(NamedTuple):
-  """The hand-over from ``loss_scale`` to the ``mixed_precision`` it wraps.
-
-  ``loss_scale`` passes it as the ``loss_scaled=`` keyword of that
-  transformation's ``update``, and only when its inner transformation *is* the
-  one ``mixed_precision`` returned (checked when ``loss_scale`` is built), so
-  the gradients given alongside are exactly the raw, scaled ones. The
-  ``mixed_precision`` then unscales them inside its ``lax.cond``, where the
-  float32 copy fuses into the update instead of becoming a buffer, and skips
-  on ``finite`` instead of checking the gradients a second time. See
-  docs/design.md.
-
-  Attributes:
-    inverse_scale: float32 scalar, ``1 / loss_scale``: the gradients are
-      still multiplied by the loss scale.
-    finite: bool scalar, ``loss_scale``'s verdict on the raw gradients
-      (agreed across its ``axis_name``): the step is applied only if it holds.
-  """
-
-  inverse_scale: jax.Array
-  finite: jax.Array
-
-  def unscale(self, grad: Any) -> Any:
-    """A floating gradient leaf in float32, divided by the loss scale; any
-    other leaf as it is. The one unscaling rule of mpx."""
-    return unscale_leaf(grad, self.inverse_scale)
-
-
-def unscale_leaf(grad: Any, inverse_scale: jax.Array) -> Any:
-  """``grad`` in float32 times ``inverse_scale`` if floating, else ``grad``."""
-  if not tree_lib.is_floating(grad):
-    return grad
-  grad = jnp.asarray(grad).astype(jnp.float32)
-  # lax, not `*`: jnp's operators trace as a nested jit at every leaf.
-  return jax.lax.mul(grad, jax.lax.broadcast_in_dim(inverse_scale, grad.shape, ()))

@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from mpx._src import rounding, state_search
+from mpx._src import state_search, storage
 from mpx._src import tree as tree_lib
-from mpx._src.masters import MixedPrecisionRemainderState
-from mpx._src.states import MixedPrecisionState
+from mpx._src.states import MIXED_PRECISION_STATES
 
 
 def sync_masters(opt_state: optax.OptState, params: tree_lib.PyTree) -> optax.OptState:
@@ -59,20 +57,17 @@ def sync_masters(opt_state: optax.OptState, params: tree_lib.PyTree) -> optax.Op
   """
 
   def sync(state: Any) -> Any:
-    if isinstance(state, MixedPrecisionRemainderState):
-      return state._replace(master_remainders=_each(state.master_remainders, params, _remainder))
-    return state._replace(master_params=_each(state.master_params, params, _master))
+    mode = storage.MODE_OF_STATE[type(state)]
+    return state._replace(**{mode.stored_field: _each(mode, mode.stored(state), params)})
 
-  return state_search.replace_states(
-    opt_state, (MixedPrecisionState, MixedPrecisionRemainderState), sync
-  )
+  return state_search.replace_states(opt_state, MIXED_PRECISION_STATES, sync)
 
 
-def _each(stored: Any, params: Any, fn: Any) -> Any:
+def _each(mode: storage.Mode, stored: Any, params: Any) -> Any:
   def leaf(s: Any, p: Any) -> Any:
     if tree_lib.no_master(s):
       return s
-    new = fn(s, jnp.asarray(p))
+    new = mode.kind_of_stored(s, p).sync(s, p)
     # Outside jit, keep the stored leaf's sharding object itself (an
     # equivalent spec spelled differently would recompile a pinned step).
     if not isinstance(new, jax.core.Tracer) and isinstance(s, jax.Array):
@@ -86,16 +81,3 @@ def _each(stored: Any, params: Any, fn: Any) -> Any:
       "sync_masters: params do not match the masters in opt_state (pass the "
       "params the state was made for)."
     ) from error
-
-
-def _master(master: jax.Array, param: jax.Array) -> jax.Array:
-  if param.dtype == jnp.bfloat16 and master.dtype == jnp.float32:
-    rounded = rounding.round_ties_away(rounding.canonical(master))
-  else:
-    rounded = tree_lib.saturating_cast(master, param.dtype)
-  kept = rounding.same_bits(rounded, param)
-  return jnp.where(kept, master, param.astype(master.dtype))
-
-
-def _remainder(remainder: jax.Array, param: jax.Array) -> jax.Array:
-  return jnp.where(rounding.wraps(param, remainder), jnp.zeros_like(remainder), remainder)

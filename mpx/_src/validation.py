@@ -12,7 +12,9 @@ import jax
 import numpy as np
 import optax
 
+from mpx._src import state_search
 from mpx._src import tree as tree_lib
+from mpx._src.states import MIXED_PRECISION_STATES
 
 
 def check_transformation(inner: Any, name: str = "inner") -> None:
@@ -179,3 +181,54 @@ def check_state_types_kept(name: str, new_state: Any, old_state: Any) -> None:
         "loss_scale alone get float32 gradients, so wrap the rule in "
         "mpx.mixed_precision, whose state is float32."
       )
+
+
+def check_stored_leaf(
+  field: str, path: str, stored: Any, want: Any, param: Any, dtype: Any
+) -> None:
+  """What a ``mixed_precision`` state stores for one param leaf (``path`` in
+  its ``field``) must be what its init would store (``want``, abstract)."""
+  if tree_lib.is_placeholder(want) and not tree_lib.is_placeholder(stored):
+    raise ValueError(
+      f"mixed_precision: param {path!r} is {describe(param)}, but the state "
+      "holds a master for a narrower param: the params were widened. mpx's updates are "
+      f"in {np.dtype(dtype)}, and an apply that adds them without casting back (e.g. "
+      "equinox.apply_updates) widens each param. Apply them with optax.apply_updates, "
+      "which keeps every param's dtype (with equinox: eqx.partition the model, "
+      "optax.apply_updates the arrays, eqx.combine)."
+    )
+  if tree_lib.is_placeholder(stored) and not tree_lib.is_placeholder(want):
+    raise ValueError(
+      f"mixed_precision: param {path!r} is {describe(param)} but the state "
+      "holds no master for it (the state was initialised on wider params). "
+      "Re-initialise, or use mpx.init_from_full_precision to start "
+      "low-precision training from full-precision weights."
+    )
+  if tree_lib.is_placeholder(want):
+    return
+  if np.shape(stored) != np.shape(want) and np.shape(want) == np.shape(param):
+    raise ValueError(
+      f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but its "
+      f"master has shape {list(np.shape(stored))}."
+    )
+  if _signature(stored) != _signature(want):
+    raise ValueError(
+      "mixed_precision: opt_state was not made by this transformation's init (or not "
+      f"for these params): at {field}/{path}: expected {describe(want)}, got "
+      f"{describe(stored)} (another masters= mode or master dtype?)."
+    )
+
+
+def refuse_rules_chained_after(name: str, opt_state: Any) -> None:
+  """Refuses an ``optax.chain`` that runs a rule after a ``mixed_precision``:
+  its updates land each param on its new master's rounding, so any rule after
+  it moves the params where the masters never go (docs/concepts.md)."""
+  after = state_search.chained_after(opt_state, MIXED_PRECISION_STATES)
+  if after:
+    raise ValueError(
+      f"{name}: an optax.chain runs {len(after)} rule(s) after mpx.mixed_precision. "
+      "mixed_precision must wrap the whole rule: its updates land each param on its "
+      "master's rounding, and a rule after it would move the params where the masters "
+      "never go. Put every rule inside: "
+      "mpx.mixed_precision(optax.chain(..., optax.scale(-lr)))."
+    )

@@ -1,0 +1,319 @@
+"""Where the full-precision weights live: one storage strategy per parameter leaf.
+
+A *storage kind* is a whole strategy for one parameter leaf: what the
+optimizer state holds for it (``init``), what the inner rule sees (``view``),
+what a step writes back inside the skip ``lax.cond`` and what it hands out of
+it (``commit``), and the update that moves the parameter after the cond
+(``param_update``). ``mixed_precision``'s step is one map over leaves calling
+these; it never asks which kind a leaf has. A *mode* (``masters=``) is the
+record that picks the kind of each leaf and names the state that holds them.
+
+==================  ========================================  ==================
+kind                state per parameter                        parameter
+==================  ========================================  ==================
+``Copy``            a ``dtype`` copy (4 bytes for float32)     nearest, ties even
+``CopyTiesAway``    a float32 copy (4 bytes)                   nearest, ties away
+``Remainder``       the low 16 bits of the float32 master (2)  nearest, ties away
+``Stochastic``      nothing (a 4-byte key per leaf)            rounded at random
+``NoMaster``        nothing: the param is its own master       updated in place
+==================  ========================================  ==================
+
+``masters="full"`` uses ``CopyTiesAway`` for bfloat16 params under float32
+masters and ``Copy`` for every other narrow leaf (float16, fp8, or float64
+masters); ``"remainder"`` and ``"stochastic"`` apply to bfloat16 params under
+float32 masters only. ``CopyTiesAway`` and ``Remainder`` round and land
+identically (see :mod:`mpx._src.rounding`), so a run may switch between them
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpx._src import rounding
+from mpx._src import tree as tree_lib
+from mpx._src.states import (
+  MixedPrecisionRemainderState,
+  MixedPrecisionState,
+  MixedPrecisionStochasticState,
+)
+
+# What a kind's init takes a master from: the leaf itself, or its
+# full-precision source under mpx.init_from_full_precision.
+Sources = Callable[[Any], Any]
+_FLOAT32 = np.dtype(np.float32)
+
+
+def _add(master: jax.Array, update: Any, dtype: Any) -> jax.Array:
+  """``(master + update)`` in ``dtype``; lax where the dtypes agree, since
+  ``+`` on tracers traces as a nested jit at every leaf."""
+  if jnp.result_type(update) == master.dtype == dtype:
+    return jax.lax.add(master, update)
+  return (master + update).astype(dtype)
+
+
+def _delta(target: jax.Array, param: jax.Array, dtype: Any, applied: jax.Array) -> jax.Array:
+  """``target - param`` in ``dtype``, zero on a skipped step: the update with
+  which ``optax.apply_updates`` lands ``param`` on ``target``. Computed after
+  the cond, it fuses into ``optax.apply_updates``."""
+  delta = jax.lax.sub(target.astype(dtype), param.astype(dtype))
+  return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
+
+
+def _land(master: jax.Array, param: jax.Array) -> jax.Array:
+  """The canonical ``master``, moved to where ``optax.apply_updates`` lands
+  ``param`` if that is not its ties-away rounding (a target more than 2**16
+  times smaller than the param: the float32 update itself rounds), so the
+  param is always exactly the rounding of its master, as a remainder needs."""
+  master = rounding.canonical(master)
+  target = rounding.round_ties_away(master)
+  landed = rounding.landing(param, target)
+  exact = rounding.same_bits(landed, target)
+  return jax.lax.select(exact, master, landed.astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class NoMaster:
+  """A leaf at the master dtype or wider, or not floating: the inner rule
+  updates the param itself, and the state holds ``optax.MaskedNode()``."""
+
+  master_dtype: Any = None  # the inner rule sees the param (and its gradient) as it is
+
+  def init(self, param: Any, sources: Sources, index: int, seed: int) -> Any:
+    del param, sources, index, seed
+    return optax.MaskedNode()
+
+  def stored_like(self, param: Any) -> Any:
+    del param
+    return optax.MaskedNode()
+
+  def view(self, stored: Any, param: Any) -> Any:
+    del stored
+    return param
+
+  def commit(self, master: Any, update: Any, stored: Any, param: Any, step: Any) -> tuple[Any, Any]:
+    del master, param, step
+    return stored, update  # the inner rule's update leaves the cond as it is (zero if skipped)
+
+  def param_update(self, stored: Any, carried: Any, param: Any, applied: jax.Array) -> Any:
+    del stored, param, applied
+    return carried
+
+  def sync(self, stored: Any, param: Any) -> Any:
+    del param
+    return stored
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+  """A ``master_dtype`` copy; the param is its rounding to nearest (ties to
+  even), saturating at the param dtype's largest finite value."""
+
+  master_dtype: Any
+
+  def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
+    del index, seed
+    return jnp.asarray(sources(param)).astype(self.master_dtype)
+
+  def stored_like(self, param: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(param), self.master_dtype)
+
+  def view(self, stored: jax.Array, param: Any) -> jax.Array:
+    del param
+    return stored
+
+  def commit(
+    self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any
+  ) -> tuple[Any, Any]:
+    del stored, param, step
+    return _add(master, update, self.master_dtype), None  # the new master is state
+
+  def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
+    return tree_lib.saturating_cast(master, param.dtype)
+
+  def param_update(self, stored: Any, carried: Any, param: Any, applied: jax.Array) -> jax.Array:
+    del carried
+    param = jnp.asarray(param)
+    return _delta(self.rounded(stored, param), param, self.master_dtype, applied)
+
+  def sync(self, stored: jax.Array, param: Any) -> jax.Array:
+    """Keeps each master whose rounding is still the param; restarts the
+    others from the param (edited outside the optimizer)."""
+    param = jnp.asarray(param)
+    kept = rounding.same_bits(self.rounded(stored, param), param)
+    return jnp.where(kept, stored, param.astype(stored.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyTiesAway(Copy):
+  """A float32 copy under a bfloat16 param, which is its rounding to nearest
+  with ties away from zero (what a 16-bit remainder can encode), saturating.
+  The master is moved to where the param lands when ``optax.apply_updates``
+  cannot land it on that rounding (see ``_land``)."""
+
+  master_dtype: Any = _FLOAT32
+
+  def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
+    del index, seed
+    return rounding.canonical(jnp.asarray(sources(param)).astype(jnp.float32))
+
+  def commit(
+    self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any
+  ) -> tuple[Any, Any]:
+    del stored, step
+    return _land(_add(master, update, jnp.float32), param), None
+
+  def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
+    del param
+    return rounding.round_ties_away(master)  # the stored master is canonical
+
+  def sync(self, stored: jax.Array, param: Any) -> jax.Array:
+    param = jnp.asarray(param)
+    kept = rounding.same_bits(rounding.round_ties_away(rounding.canonical(stored)), param)
+    return jnp.where(kept, stored, param.astype(stored.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Remainder:
+  """The low 16 bits of a float32 master under a bfloat16 param (an int16):
+  ``join(param, remainder)`` is the master ``CopyTiesAway`` would hold."""
+
+  master_dtype: Any = _FLOAT32
+
+  def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
+    del index, seed
+    master = rounding.canonical(jnp.asarray(sources(param)).astype(jnp.float32))
+    return rounding.split(master)[1]
+
+  def stored_like(self, param: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(param), jnp.int16)
+
+  def view(self, stored: jax.Array, param: jax.Array) -> jax.Array:
+    return rounding.join(param, stored)
+
+  def commit(
+    self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any
+  ) -> tuple[Any, Any]:
+    del stored, step
+    master = _land(_add(master, update, jnp.float32), param)
+    # The new master leaves the cond: the param after it is its rounding.
+    return rounding.split(master)[1], master
+
+  def param_update(
+    self, stored: Any, carried: jax.Array, param: Any, applied: jax.Array
+  ) -> jax.Array:
+    del stored
+    return _delta(rounding.round_ties_away(carried), jnp.asarray(param), jnp.float32, applied)
+
+  def sync(self, stored: jax.Array, param: Any) -> jax.Array:
+    """The master follows any edit of the param by itself; only a param set
+    to zero under a negative remainder breaks the pair (see ``join``)."""
+    wraps = rounding.wraps(jnp.asarray(param), stored)
+    return jnp.where(wraps, jnp.zeros_like(stored), stored)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stochastic:
+  """No master: the bfloat16 param is updated in float32 and rounded up or
+  down at random. The state holds the leaf's uint32 key; its random bits come
+  from the key, the element's position and the count of applied steps."""
+
+  master_dtype: Any = _FLOAT32
+
+  def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
+    del param, sources  # keeps no master, so takes no full-precision source
+    return jnp.asarray(rounding.leaf_key(seed, index))
+
+  def stored_like(self, param: Any) -> jax.ShapeDtypeStruct:
+    del param
+    return jax.ShapeDtypeStruct((), jnp.uint32)
+
+  def view(self, stored: Any, param: jax.Array) -> jax.Array:
+    del stored
+    return param.astype(jnp.float32)
+
+  def commit(
+    self, master: jax.Array, update: Any, stored: Any, param: Any, step: jax.Array
+  ) -> tuple[Any, Any]:
+    bits = rounding.random_bits(stored, step, np.shape(param))
+    value = rounding.stochastic_round(_add(master, update, jnp.float32), bits)
+    # The new param leaves the cond, as optax.apply_updates will land it.
+    return stored, rounding.landing(param, value)
+
+  def param_update(
+    self, stored: Any, carried: jax.Array, param: Any, applied: jax.Array
+  ) -> jax.Array:
+    del stored
+    return _delta(carried, jnp.asarray(param), jnp.float32, applied)
+
+  def sync(self, stored: Any, param: Any) -> Any:
+    del param
+    return stored
+
+
+NO_MASTER = NoMaster()
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  """One ``masters=`` mode: its state type, the field of that state holding
+  what is stored per leaf, and the kind it gives a bfloat16 param under
+  float32 masters and (``"full"`` only) every other narrow param."""
+
+  name: str
+  state_type: type
+  stored_field: str
+  bfloat16_kind: Any
+  takes_other_narrow_params: bool
+
+  def kind_for(self, param: Any, dtype: Any, path: str) -> Any:
+    """The kind of one param leaf under ``dtype`` masters, or a ValueError
+    naming the leaf."""
+    if not tree_lib.is_floating(param) or tree_lib.float_bits(param) >= jnp.finfo(dtype).bits:
+      return NO_MASTER
+    if tree_lib.leaf_dtype(param) == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32:
+      return self.bfloat16_kind
+    if self.takes_other_narrow_params:
+      return Copy(np.dtype(dtype))
+    raise ValueError(
+      f"mixed_precision(masters={self.name!r}): param {path!r} is "
+      f"{tree_lib.leaf_dtype(param)}, but this mode works on bfloat16 params under "
+      "float32 masters (bfloat16 is the top half of float32). Keep such leaves "
+      'under masters="full", e.g. with optax.partition.'
+    )
+
+  def kind_of_stored(self, stored: Any, param: Any) -> Any:
+    """The kind of a leaf from what a state holds for it (no ``dtype`` at
+    hand): a floating stored leaf is a master of its own dtype; any other
+    stored leaf implies float32 masters."""
+    if tree_lib.no_master(stored):
+      return NO_MASTER
+    stored_dtype = tree_lib.leaf_dtype(stored)
+    dtype = stored_dtype if jnp.issubdtype(stored_dtype, jnp.floating) else jnp.float32
+    return self.kind_for(param, dtype, "<stored>")
+
+  def stored(self, state: Any) -> Any:
+    """The param-shaped tree of what ``state`` stores per leaf."""
+    return getattr(state, self.stored_field)
+
+  def state(self, stored: Any, applied: Any, nonfinite: Any, inner_state: Any) -> Any:
+    return self.state_type(stored, applied, nonfinite, inner_state)
+
+
+MODES = {
+  "full": Mode("full", MixedPrecisionState, "master_params", CopyTiesAway(), True),
+  "remainder": Mode(
+    "remainder", MixedPrecisionRemainderState, "master_remainders", Remainder(), False
+  ),
+  "stochastic": Mode(
+    "stochastic", MixedPrecisionStochasticState, "rounding_keys", Stochastic(), False
+  ),
+}
+MODE_OF_STATE = {mode.state_type: mode for mode in MODES.values()}

@@ -1,0 +1,125 @@
+"""A step's verdict: apply it, or skip it. One rule, used by both transformations.
+
+A step is applied only if every gradient is finite *as the inner rule will
+receive it*: unscaled by the loss scale (in the wider of its dtype and
+float32, so a float64 leaf is never narrowed) and cast to its master dtype.
+A cast can overflow where the raw value did not (an unscaled float32
+gradient of 7e4 for a float16 master), so the check reads the received value
+wherever that can happen, and the raw one elsewhere (cheaper, and equivalent).
+
+Where the verdict is computed:
+
+- ``mixed_precision`` alone, or wrapped directly by ``loss_scale``: by the
+  ``mixed_precision``, on the gradients it receives, which under
+  ``loss_scale`` are the raw scaled ones with an :class:`Unscaling` beside
+  them. It reduces the verdict across the ``axis_name`` that record carries
+  and counts a skip in its state's ``nonfinite_steps``; ``loss_scale`` reads
+  the verdict back from that count (:func:`recorded`).
+- ``loss_scale`` around anything else: by ``loss_scale`` on the gradients it
+  receives, before the inner rule runs. A ``mixed_precision`` deeper inside
+  checks what it receives again (a rule in front of it may make an inf); if
+  it skips, ``loss_scale`` rolls the whole inner state back and counts the
+  step as skipped, so the chain around it does not advance either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpx._src import state_search
+from mpx._src import tree as tree_lib
+from mpx._src.finite import all_finite
+from mpx._src.states import MIXED_PRECISION_STATES
+
+
+@dataclasses.dataclass(frozen=True)
+class Unscaling:
+  """What ``loss_scale`` hands the transformation it wraps directly, with the
+  raw (still scaled) gradients: how to unscale them, and across which axis to
+  agree on the verdict.
+
+  Attributes:
+    inverse_scale: float32 scalar, ``1 / loss_scale``.
+    scale_at_least_one: whether the scale can never fall below 1 (then
+      unscaling only shrinks values and cannot overflow).
+    axis_name: the mapped axis (or axes) to reduce the verdict over, or None.
+  """
+
+  inverse_scale: jax.Array
+  scale_at_least_one: bool
+  axis_name: Any = None
+
+
+class TakesLossScaledGradients(optax.GradientTransformationExtraArgs):
+  """An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes the
+  raw loss-scaled gradients with an ``unscaling=`` :class:`Unscaling`,
+  computes the step's verdict itself and counts a skip in the
+  ``nonfinite_steps`` of its state. :func:`mpx.mixed_precision` returns one;
+  :func:`mpx.loss_scale` hands over to its inner transformation only if it is
+  one (decided when it is built, so nothing can sit between the two)."""
+
+  __slots__ = ()
+
+
+def received(grad: Any, dtype: Any, unscaling: Unscaling | None) -> Any:
+  """A gradient leaf as the inner rule receives it: unscaled (in the wider of
+  its dtype and float32) under a loss scale, then cast to ``dtype`` (None:
+  kept). Non-floating leaves pass as they are."""
+  if not tree_lib.is_floating(grad):
+    return grad
+  grad = jnp.asarray(grad)
+  if unscaling is not None:
+    wide = grad.astype(jnp.promote_types(grad.dtype, jnp.float32))
+    inverse = jax.lax.convert_element_type(unscaling.inverse_scale, wide.dtype)
+    # lax, not `*`: jnp's operators trace as a nested jit at every leaf.
+    grad = jax.lax.mul(wide, jax.lax.broadcast_in_dim(inverse, wide.shape, ()))
+  return grad if dtype is None else grad.astype(dtype)
+
+
+def _can_overflow(grad: Any, dtype: Any, unscaling: Unscaling | None) -> bool:
+  """Whether ``received`` can make a finite ``grad`` non-finite."""
+  if unscaling is not None and not unscaling.scale_at_least_one:
+    return True  # dividing by a scale below 1 grows values
+  return dtype is not None and jnp.finfo(dtype).max < jnp.finfo(tree_lib.leaf_dtype(grad)).max
+
+
+def gradients_finite(grads: list[Any], dtypes: list[Any], unscaling: Unscaling | None) -> jax.Array:
+  """The verdict: whether every gradient is finite as ``received`` makes it
+  with its ``dtypes`` entry, agreed across ``unscaling.axis_name``. Reads the
+  raw gradient wherever receiving it cannot overflow."""
+  to_check = [
+    received(g, dtype, unscaling) if _can_overflow(g, dtype, unscaling) else g
+    for g, dtype in zip(grads, dtypes, strict=True)
+    if tree_lib.is_floating(g)
+  ]
+  return agreed(all_finite(to_check), None if unscaling is None else unscaling.axis_name)
+
+
+def agreed(finite: jax.Array, axis_name: Any) -> jax.Array:
+  """``finite`` AND-ed over ``axis_name`` (if any), so every replica agrees."""
+  if axis_name is None:
+    return finite
+  return jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+
+def has_recorder(inner_state: Any) -> bool:
+  """Whether ``inner_state`` holds a ``mixed_precision`` state, which records
+  its own skips (at trace time: a question about the structure)."""
+  return bool(state_search.find_states(inner_state, MIXED_PRECISION_STATES))
+
+
+def recorded(old_inner: Any, new_inner: Any) -> jax.Array:
+  """Whether no ``mixed_precision`` state in ``new_inner`` counted a skip
+  since ``old_inner``: the verdicts they computed, as one flag. Comparing
+  counts, not a last-step flag, reads a step that never reached them (a
+  ``MultiSteps`` accumulation step) as applied."""
+  old: list[Any] = state_search.find_states(old_inner, MIXED_PRECISION_STATES)
+  new: list[Any] = state_search.find_states(new_inner, MIXED_PRECISION_STATES)
+  same = [jnp.equal(a.nonfinite_steps, b.nonfinite_steps) for a, b in zip(old, new, strict=True)]
+  return jnp.asarray(np.bool_(True)) if not same else jnp.stack(same).all()
