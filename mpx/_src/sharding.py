@@ -54,7 +54,9 @@ def _param_spec(leaf: Any, mesh: Mesh, ndim: int) -> tuple[Any, ...]:
   return entries + (None,) * (ndim - len(entries))
 
 
-def _add_axis(shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Mesh, axis: str) -> Any:
+def _add_axis(
+  shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Mesh, axis: str
+) -> PartitionSpec:
   """``entries`` with ``axis`` added to the first dimension that divides evenly.
 
   A dimension not yet sharded is preferred; otherwise ``axis`` is appended to a
@@ -62,7 +64,7 @@ def _add_axis(shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Mesh, axis
   stays replicated over ``axis``.
   """
   if any(axis in _axes(entry) for entry in entries):
-    return PartitionSpec(*entries)  # already sharded over axis (e.g. FSDP params)
+    return _canonical(entries, mesh)  # already sharded over axis (e.g. FSDP params)
   size = mesh.shape[axis]
 
   def fits(dim: int) -> bool:
@@ -76,7 +78,28 @@ def _add_axis(shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Mesh, axis
     new[free[0]] = axis
   elif taken:
     new[taken[0]] = (*_axes(entries[taken[0]]), axis)
-  return PartitionSpec(*new)
+  return _canonical(new, mesh)
+
+
+def _canonical(entries: Any, mesh: Mesh) -> PartitionSpec:
+  """``entries`` as jax writes a sharding it reads back from XLA.
+
+  jax names an output sharding that XLA chose (one not pinned by
+  ``out_shardings``) with size-1 mesh axes dropped, a lone axis unwrapped from
+  its tuple and trailing unsharded dimensions cut (``P('data')``, not
+  ``P('data', None)``). ``NamedSharding`` equality and hashing, and so jit's
+  cache, tell the two spellings apart: a state laid out as ``P('data', None)``
+  that comes back as ``P('data')`` misses the cache on the next call, which
+  then takes jit's slow path to the executable already compiled for the
+  equivalent layout, and leaves a second cache entry.
+  """
+  canonical = []
+  for entry in entries:
+    names = tuple(name for name in _axes(entry) if mesh.shape[name] != 1)
+    canonical.append(None if not names else names[0] if len(names) == 1 else names)
+  while canonical and canonical[-1] is None:
+    canonical.pop()
+  return PartitionSpec(*canonical)
 
 
 def zero1_shardings(
@@ -99,9 +122,17 @@ def zero1_shardings(
 
   Use it as the ``out_shardings`` of a jitted ``tx.init`` and as the state's
   in and out shardings of the jitted training step, with the parameters'
-  own (replicated) shardings for the parameters. Meant for meshes whose axes
-  are ``jax.sharding.AxisType.Auto`` (GSPMD), which is what
+  own (replicated) shardings for the parameters. Pin the parameters in the
+  step's ``out_shardings`` too: left to XLA, the new parameters come out
+  sharded like the masters they are computed from, so the next call sees
+  other input shardings and compiles again. Meant for meshes whose axes are
+  ``jax.sharding.AxisType.Auto`` (GSPMD), which is what
   ``jax.sharding.Mesh(devices, names)`` makes.
+
+  The specs are spelled the way jax names the shardings XLA chooses: no
+  trailing unsharded dimensions and no mesh axes of size 1 (``P('data')``,
+  not ``P('data', None)``), so a state leaf that XLA leaves where it was
+  compares equal to, and hashes like, its entry here.
 
   Args:
     tx: the optimizer, e.g. ``mpx.mixed_precision(optax.adamw(3e-4))``. Its
@@ -131,12 +162,14 @@ def zero1_shardings(
     >>> params = jax.device_put(params, replicated)
     >>> tx = mpx.mixed_precision(optax.adam(1e-3))
     >>> shardings = zero1_shardings(tx, params, mesh)
-    >>> shardings.master_params["w"].spec, shardings.inner_state[0].count.spec
-    (P('data', None), P())
+    >>> n = len(jax.devices())  # on one device the size-1 "data" axis is dropped
+    >>> shardings.master_params["w"].spec == (P("data") if n > 1 else P())
+    True
+    >>> shardings.master_params["b"].spec, shardings.inner_state[0].count.spec
+    (P(), P())
     >>> opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
     >>> opt_state.master_params["w"].sharding == shardings.master_params["w"]
     True
-    >>> n = len(jax.devices())  # each device holds 1/n of the master
     >>> opt_state.master_params["w"].addressable_shards[0].data.shape == (48 // n, 3)
     True
   """
@@ -153,7 +186,7 @@ def zero1_shardings(
       return replicated
     entries = _param_spec(param, mesh, len(shape))
     if axis is None:
-      return NamedSharding(mesh, PartitionSpec(*entries))
+      return NamedSharding(mesh, _canonical(entries, mesh))
     return NamedSharding(mesh, _add_axis(shape, entries, mesh, axis))
 
   return optax.tree_utils.tree_map_params(
