@@ -24,9 +24,9 @@ MLP on a synthetic regression and checks what the recipe is about:
 
 Run from the repository root::
 
-  python examples/amp_recipes.py                          # all recipes: ~20 s on 2 CPU cores
+  python examples/amp_recipes.py                          # all recipes: ~25 s on 2 CPU cores
   python examples/amp_recipes.py --recipe penalty --recipe groups
-  MPX_SMOKE=1 python examples/amp_recipes.py              # tiny size (CI)
+  MPX_SMOKE=1 python examples/amp_recipes.py              # tiny size, mostly compilation
 
 Each recipe ends with self-checks; the script exits with status 1 if one fails.
 """

@@ -26,8 +26,8 @@ weakly typed value, and the step is traced and compiled again.
 
 Run from the repository root::
 
-  python examples/change_learning_rate.py               # default size: ~10 s on 2 CPU cores
-  MPX_SMOKE=1 python examples/change_learning_rate.py   # tiny size, a few seconds (CI)
+  python examples/change_learning_rate.py               # default size: ~15 s on 2 CPU cores
+  MPX_SMOKE=1 python examples/change_learning_rate.py   # tiny size, mostly compilation
 
 The script ends with self-checks (one trace, the new learning rates stored in
 float32, the step size scaled with them, the validation loss fell) and exits

@@ -30,8 +30,9 @@ Run from the repository root::
 
 The script ends with self-checks (the restored checkpoint and the initial
 masters equal the saved weights bitwise, the fine-tuning loss fell, the
-low-precision params are the rounded masters, the exported checkpoint equals
-the masters bitwise) and exits with status 1 if one fails.
+low-precision params are the masters rounded as mpx documents, bfloat16 ties
+away from zero, the exported checkpoint equals the masters bitwise) and exits
+with status 1 if one fails.
 """
 
 from __future__ import annotations
@@ -186,6 +187,29 @@ def same_bits(a: PyTree, b: PyTree) -> bool:
   return True
 
 
+def rounded_as_mpx_documents(masters: PyTree, dtype: Any) -> PyTree:
+  """The params mpx documents for float32 ``masters``, computed here in numpy.
+
+  A bfloat16 param is its master rounded to nearest with ties *away from zero*
+  (docs/concepts_masters.md), the top half of ``master_bits + 0x8000``;
+  ``astype`` (and ``mpx.cast_tree``) would round ties to even. A float16
+  param is its master rounded to nearest even, as ``astype``. Both saturate at
+  the dtype's largest finite value.
+  """
+
+  def round_leaf(master: jax.Array) -> np.ndarray:
+    master = np.asarray(master, np.float32)
+    if np.dtype(dtype) == np.dtype(jnp.bfloat16):
+      # The largest float32 whose bfloat16 rounding is finite, 0x7f7f7fff.
+      limit = np.array(0x7F7F7FFF, np.uint32).view(np.float32)
+      bits = np.clip(master, -limit, limit).view(np.uint32)
+      return ((bits + np.uint32(0x8000)) >> np.uint32(16)).astype(np.uint16).view(jnp.bfloat16)
+    largest = np.finfo(dtype).max
+    return np.clip(master, -largest, largest).astype(dtype)
+
+  return jax.tree.map(round_leaf, masters)
+
+
 def share_changed(a: PyTree, b: PyTree) -> float:
   """Share of the values of ``a`` that differ from ``b``'s, over the whole tree."""
   changed = sum(
@@ -317,7 +341,9 @@ def run(size: Size, dtype: Any, directory: pathlib.Path) -> int:
       and {x.dtype for x in jax.tree.leaves(masters)} == {np.dtype(jnp.float32)}
     ),
     "fine-tuning loss fell by more than half": after < 0.5 * before,
-    "params are exactly the rounded masters": same_bits(params, mpx.cast_tree(masters, dtype)),
+    "params are exactly the rounded masters": same_bits(
+      params, rounded_as_mpx_documents(masters, dtype)
+    ),
     "exported checkpoint equals the masters bitwise": same_bits(reread, masters),
   }
   if skipped is not None:

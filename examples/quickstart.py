@@ -21,7 +21,7 @@ FP32 initialisation, on the same batches, in four modes (see
 Run from the repository root::
 
   python examples/quickstart.py               # default size: about 80 s on 2 CPU cores
-  MPX_SMOKE=1 python examples/quickstart.py   # tiny size, seconds (CI)
+  MPX_SMOKE=1 python examples/quickstart.py   # tiny size, mostly compilation
   python examples/quickstart.py --steps 3000 --batch 512 --width 512
 
 At the default size (not with ``MPX_SMOKE=1``) the script checks itself: it
