@@ -64,8 +64,16 @@ def canonical(master: jax.Array) -> jax.Array:
 
 def round_ties_away(master: jax.Array) -> jax.Array:
   """The bfloat16 nearest a canonical float32 ``master``, ties away from zero."""
-  bits = _bits(master)
-  return _bf16(_shift_right(jax.lax.add(bits, _u32(0x8000, bits.shape)), 16))
+  return _bf16(_shift_right(jax.lax.add(_bits(master), np.uint32(0x8000)), 16))
+
+
+def round_ties_away_f32(master: jax.Array) -> jax.Array:
+  """``round_ties_away(master)`` as the float32 that holds it exactly: the
+  top half of ``master_bits + 0x8000``, the low half zeroed. Where the
+  result is used in float32 (an update, a landing), this saves the round
+  trip through bfloat16: fewer ops per leaf for XLA to compile."""
+  top = jax.lax.bitwise_and(jax.lax.add(_bits(master), np.uint32(0x8000)), np.uint32(0xFFFF0000))
+  return _float(top)
 
 
 def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -75,6 +83,13 @@ def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
   low = jax.lax.sub(_bits(master), _shift_left(_bf16_bits(param), 16))
   remainder = jax.lax.bitcast_convert_type(low.astype(jnp.uint16), jnp.int16)
   return param, remainder
+
+
+def remainder(master: jax.Array) -> jax.Array:
+  """``split(master)[1]``, without making the bfloat16 param: the low half of
+  ``master_bits - round_ties_away_f32(master)_bits``, as an int16."""
+  low = jax.lax.sub(_bits(master), _bits(round_ties_away_f32(master)))
+  return jax.lax.bitcast_convert_type(low.astype(jnp.uint16), jnp.int16)
 
 
 def join(param: jax.Array, remainder: jax.Array) -> jax.Array:
@@ -92,8 +107,8 @@ def join(param: jax.Array, remainder: jax.Array) -> jax.Array:
 def wraps(param: jax.Array, remainder: jax.Array) -> jax.Array:
   """Where ``(param_bits << 16) + remainder`` would wrap: a zero param (either
   sign) with a negative remainder."""
-  magnitude = jax.lax.bitwise_and(_bf16_bits(param), _u32(0x7FFF, param.shape))
-  is_zero = jax.lax.eq(magnitude, _u32(0, param.shape))
+  magnitude = jax.lax.bitwise_and(_bf16_bits(param), np.uint32(0x7FFF))
+  is_zero = jax.lax.eq(magnitude, np.uint32(0))
   return jax.lax.bitwise_and(is_zero, jax.lax.lt(remainder, jnp.zeros_like(remainder)))
 
 
@@ -102,9 +117,16 @@ def landing(param: jax.Array, target: jax.Array) -> jax.Array:
   ``param`` (the update in float32): ``target`` itself unless the two are so
   far apart in magnitude (more than 2**16) that ``target - param`` rounds in
   float32. Applied to what it returns, the same update lands exactly."""
-  param32 = param.astype(jnp.float32)
-  update = jax.lax.sub(target.astype(jnp.float32), param32)
-  return jax.lax.add(param32, update).astype(jnp.bfloat16)
+  f32 = lambda x: jax.lax.convert_element_type(x, jnp.float32)  # noqa: E731
+  param32 = f32(param)
+  update = jax.lax.sub(target if target.dtype == jnp.float32 else f32(target), param32)
+  return jax.lax.convert_element_type(jax.lax.add(param32, update), jnp.bfloat16)
+
+
+def landing_f32(param: jax.Array, target: jax.Array) -> jax.Array:
+  """``landing(param, target)`` in float32 (exactly), for a float32
+  ``target`` that holds a bfloat16 value."""
+  return jax.lax.convert_element_type(landing(param, target), jnp.float32)
 
 
 def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -122,23 +144,22 @@ def stochastic_round(value: jax.Array, random_bits: jax.Array) -> jax.Array:
   whose upward neighbour is finite; beyond that it saturates at the bfloat16
   maximum, as it does for inf (see ``canonical``)."""
   value = canonical(value)
-  bits, shape = _bits(value), value.shape
-  noise = jax.lax.bitwise_and(random_bits, _u32(0xFFFF, shape))
+  bits = _bits(value)
+  noise = jax.lax.bitwise_and(random_bits, np.uint32(0xFFFF))
   rounded = _shift_right(jax.lax.add(bits, noise), 16)
   # Rounding up from the bfloat16 maximum would give inf: stay at the maximum.
-  magnitude = jax.lax.bitwise_and(rounded, _u32(0x7FFF, shape))
-  overflows = jax.lax.bitwise_and(
-    jax.lax.is_finite(value), jax.lax.eq(magnitude, _u32(0x7F80, shape))
-  )
+  magnitude = jax.lax.bitwise_and(rounded, np.uint32(0x7FFF))
+  at_inf = jax.lax.eq(magnitude, np.uint32(0x7F80))
+  overflows = jax.lax.bitwise_and(jax.lax.is_finite(value), at_inf)
   return _bf16(jax.lax.select(overflows, _shift_right(bits, 16), rounded))
 
 
 def _shift_right(bits: jax.Array, by: int) -> jax.Array:
-  return jax.lax.shift_right_logical(bits, _u32(by, bits.shape))
+  return jax.lax.shift_right_logical(bits, np.uint32(by))
 
 
 def _shift_left(bits: jax.Array, by: int) -> jax.Array:
-  return jax.lax.shift_left(bits, _u32(by, bits.shape))
+  return jax.lax.shift_left(bits, np.uint32(by))
 
 
 def leaf_key(seed: int, leaf: int) -> np.uint32:
@@ -164,24 +185,19 @@ def random_bits(key: jax.Array, count: jax.Array, shape: tuple[int, ...]) -> jax
   index = jax.lax.full(shape, 0, U32)
   stride = 1
   for axis in reversed(range(len(shape))):
-    term = jax.lax.mul(jax.lax.broadcasted_iota(U32, shape, axis), _u32(stride, shape))
+    term = jax.lax.mul(jax.lax.broadcasted_iota(U32, shape, axis), np.uint32(stride % 2**32))
     index = jax.lax.add(index, term)
     stride *= shape[axis]
   step = _mix(jax.lax.add(jax.lax.mul(count.astype(U32), U32(0x85EBCA77)), U32(1)))
   key = jax.lax.broadcast(_mix(jax.lax.bitwise_xor(key.astype(U32), step)), shape)
-  return _mix(jax.lax.add(jax.lax.mul(index, _u32(0x9E3779B9, shape)), key))
-
-
-def _u32(value: int, shape: tuple[int, ...]) -> jax.Array:
-  return jax.lax.full(shape, value % 2**32, U32)
+  return _mix(jax.lax.add(jax.lax.mul(index, np.uint32(0x9E3779B9)), key))
 
 
 def _mix(h: jax.Array) -> jax.Array:
   """MurmurHash3's 32-bit finaliser: a bijection that mixes every input bit
   into every output bit."""
-  shape = h.shape
-  h = jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, _u32(16, shape)))
-  h = jax.lax.mul(h, _u32(0x85EBCA6B, shape))
-  h = jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, _u32(13, shape)))
-  h = jax.lax.mul(h, _u32(0xC2B2AE35, shape))
-  return jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, _u32(16, shape)))
+  h = jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, np.uint32(16)))
+  h = jax.lax.mul(h, np.uint32(0x85EBCA6B))
+  h = jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, np.uint32(13)))
+  h = jax.lax.mul(h, np.uint32(0xC2B2AE35))
+  return jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, np.uint32(16)))

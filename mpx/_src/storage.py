@@ -51,10 +51,16 @@ Sources = Callable[[Any], Any]
 _FLOAT32 = np.dtype(np.float32)
 
 
+def _as(x: jax.Array, dtype: Any) -> jax.Array:
+  """``x`` in ``dtype``, binding no op where it already is: every op traced
+  per leaf is paid for again in compile time."""
+  return x if x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
+
+
 def _add(master: jax.Array, update: Any, dtype: Any) -> jax.Array:
   """``(master + update)`` in ``dtype``; lax where the dtypes agree, since
   ``+`` on tracers traces as a nested jit at every leaf."""
-  if jnp.result_type(update) == master.dtype == dtype:
+  if getattr(update, "dtype", None) == master.dtype == dtype:
     return jax.lax.add(master, update)
   return (master + update).astype(dtype)
 
@@ -63,7 +69,7 @@ def _delta(target: jax.Array, param: jax.Array, dtype: Any, applied: jax.Array) 
   """``target - param`` in ``dtype``, zero on a skipped step: the update with
   which ``optax.apply_updates`` lands ``param`` on ``target``. Computed after
   the cond, it fuses into ``optax.apply_updates``."""
-  delta = jax.lax.sub(target.astype(dtype), param.astype(dtype))
+  delta = jax.lax.sub(_as(target, dtype), _as(param, dtype))
   return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
 
 
@@ -73,10 +79,10 @@ def _land(master: jax.Array, param: jax.Array) -> jax.Array:
   times smaller than the param: the float32 update itself rounds), so the
   param is always exactly the rounding of its master, as a remainder needs."""
   master = rounding.canonical(master)
-  target = rounding.round_ties_away(master)
-  landed = rounding.landing(param, target)
+  target = rounding.round_ties_away_f32(master)
+  landed = rounding.landing_f32(param, target)
   exact = rounding.same_bits(landed, target)
-  return jax.lax.select(exact, master, landed.astype(jnp.float32))
+  return jax.lax.select(exact, master, landed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +178,7 @@ class CopyTiesAway(Copy):
 
   def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
     del param
-    return rounding.round_ties_away(master)  # the stored master is canonical
+    return rounding.round_ties_away_f32(master)  # the stored master is canonical
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:
     param = jnp.asarray(param)
@@ -204,13 +210,14 @@ class Remainder:
     del stored, step
     master = _land(_add(master, update, jnp.float32), param)
     # The new master leaves the cond: the param after it is its rounding.
-    return rounding.split(master)[1], master
+    return rounding.remainder(master), master
 
   def param_update(
     self, stored: Any, carried: jax.Array, param: Any, applied: jax.Array
   ) -> jax.Array:
     del stored
-    return _delta(rounding.round_ties_away(carried), jnp.asarray(param), jnp.float32, applied)
+    target = rounding.round_ties_away_f32(carried)
+    return _delta(target, jnp.asarray(param), jnp.float32, applied)
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:
     """The master follows any edit of the param by itself; only a param set
