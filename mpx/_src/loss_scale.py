@@ -20,11 +20,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpx._src import skip, state_search, validation, verdict
 from mpx._src import tree as tree_lib
-from mpx._src.states import LossScaleState
+from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
 
 DEFAULT_INIT_SCALE = 2.0**15
 DEFAULT_MIN_SCALE = 1.0
@@ -293,11 +294,7 @@ def _general_step(
     if not rolls_back:
       return new_inner, (updates, jnp.asarray(True))
     applied = verdict.agreed(verdict.recorded(inner_state, new_inner), unscaling.axis_name)
-    new_inner, updates = jax.lax.cond(
-      applied,
-      lambda: (new_inner, updates),
-      lambda: (inner_state, jax.tree.map(jnp.zeros_like, updates)),
-    )
+    new_inner = _roll_back_unless(applied, new_inner, inner_state, unscaling.axis_name)
     return new_inner, (updates, applied)
 
   new_inner, (updates, inner_applied), _ = skip.apply_if_finite(
@@ -305,7 +302,37 @@ def _general_step(
   )
   if per_example:  # the inner rule must have reduced the leading axes
     validation.check_updates_reduced("loss_scale", updates, params)
+  if rolls_back:  # zeroed after the cond, where the select fuses into the apply
+    updates = jax.tree.map(lambda u: _select(inner_applied, u, jnp.zeros_like(u)), updates)
   return updates, new_inner, jnp.logical_and(finite, inner_applied)
+
+
+def _roll_back_unless(applied: jax.Array, new_inner: Any, old_inner: Any, axis_name: Any) -> Any:
+  """``new_inner`` where ``applied``, else ``old_inner``, selected leaf by
+  leaf. A ``mixed_precision`` state that skipped on its own is already its old
+  self (its skip counted), so on one device its leaves are kept as they are
+  and only the rest is selected: no copy of the masters and their moments.
+  With ``axis_name`` another replica's ``mixed_precision`` may have applied
+  what this one skipped, so every leaf is selected."""
+  if axis_name is not None:
+    return jax.tree.map(lambda new, old: _select(applied, new, old), new_inner, old_inner)
+
+  def leaf(new: Any, old: Any) -> Any:
+    if isinstance(new, MIXED_PRECISION_STATES):
+      return new
+    return jax.tree.map(lambda n, o: _select(applied, n, o), new, old)
+
+  is_mp = lambda x: isinstance(x, MIXED_PRECISION_STATES)  # noqa: E731
+  return jax.tree.map(leaf, new_inner, old_inner, is_leaf=is_mp)
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """``on_true`` where the scalar ``pred`` holds, else ``on_false``."""
+  if not isinstance(on_true, jax.Array | np.ndarray) or not jnp.issubdtype(
+    on_true.dtype, jnp.number
+  ):
+    return jnp.where(pred, on_true, on_false)  # PRNG keys, booleans
+  return jax.lax.select(jnp.broadcast_to(pred, on_true.shape), on_true, on_false)
 
 
 def _unscale_all(tree: Any, unscaling: verdict.Unscaling) -> Any:
