@@ -31,7 +31,7 @@ import numpy as np
 
 from mpx._src import rounding
 from mpx._src import tree as tree_lib
-from mpx._src.states import Bfloat16Moment
+from mpx._src.states import COMPRESSED_MOMENTS, Bfloat16Moment
 
 FORMATS = ("full", "bfloat16")
 DEFAULT_FIELDS = ("mu", "nu", "trace")
@@ -163,7 +163,7 @@ def flatten_stored(stored_inner: Any) -> tuple[list[Any], Any]:
 
 
 def _is_compressed(x: Any) -> bool:
-  return isinstance(x, Bfloat16Moment)
+  return isinstance(x, COMPRESSED_MOMENTS)
 
 
 def decompressed(stored_inner: Any) -> Any:

@@ -97,6 +97,11 @@ class Bfloat16Moment(NamedTuple):
   values: jax.Array
 
 
+# Every stored form of a compressed moment: a node of the inner state that
+# stands for one float32 leaf of the inner rule's state.
+COMPRESSED_MOMENTS: tuple[type, ...] = (Bfloat16Moment,)
+
+
 class LossScaleState(NamedTuple):
   """State of :func:`mpx.loss_scale` and :func:`mpx.static_loss_scale`.
 
