@@ -183,7 +183,8 @@ def zero1_shardings(
     if tree_lib.is_placeholder(leaf):
       return leaf
     if isinstance(leaf, COMPRESSED_MOMENTS):  # each stored part sharded with its leaf
-      return type(leaf)(*(shard_like_param(part, param) for part in leaf))
+      parts: Any = leaf
+      return type(leaf)(*(shard_like_param(part, param) for part in parts))
     shape = tuple(getattr(leaf, "shape", ()))
     if not shape:
       return replicated
