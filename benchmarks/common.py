@@ -497,4 +497,16 @@ def machine_info() -> dict[str, str]:
     "flax": flax.__version__,
     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    "malloc": malloc_settings(),
   }
+
+
+def malloc_settings() -> str:
+  """This process's allocator settings, as the environment set them when it
+  started: glibc malloc's tunables and any preloaded library."""
+  names = sorted(k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
+  if os.environ.get("LD_PRELOAD"):
+    names.append("LD_PRELOAD")
+  if not names:
+    return "glibc defaults"
+  return " ".join(f"{k}={os.environ[k]}" for k in names)

@@ -3,17 +3,20 @@
 1. The Adam optimizer step at several sizes and on a tree of many small
    leaves: plain optax FP32 Adam (the baseline), hand-written fp16 and bf16
    mixed-precision steps without safety (the references for the cost of
-   safety; mpx bf16 and fp16 are also timed next to the one of their dtype in
-   every round) and the fp16 one with the two ways to skip a step
-   (``lax.cond``, ``jnp.where``), mpx bf16 and fp16, mpx bf16 with remainder
-   masters and with stochastic rounding (each also timed next to mpx bf16's
-   full-master step in every round), and the peers' fp16 paths (jmp, flax
+   safety) and with the two ways to skip a step (``lax.cond``, ``jnp.where``;
+   the ``lax.cond`` ones, fp16 and bf16, are the check-then-apply steps mpx
+   bf16 and fp16 are timed next to in every round), mpx bf16 and fp16, mpx
+   bf16 with remainder masters and with stochastic rounding (each also timed
+   next to mpx bf16's full-master step in every round, and again in two more
+   processes, with glibc malloc's defaults and told to keep large blocks:
+   ``NO_MMAP_MALLOC``), and the peers' fp16 paths (jmp, flax
    ``DynamicScale``, mixed-precision-for-JAX, ``optax.apply_if_finite``);
    optimizer-state bytes per parameter (beside the peers' by construction),
    bytes moved and bandwidth against a copy/axpy roofline measured in the same
    run; XLA's bytes accessed and scratch per parameter; an HLO profile; compile
    time.
-2. Compile time against the number of leaves (``benchmarks/compile_time.py``).
+2. Compile time against the number of leaves (``benchmarks/compile_time.py``),
+   each mpx step against the check-then-apply step of its dtype.
 3. A whole training step of a small flax transformer: FP32 vs mpx bf16 vs mpx
    fp16, with optimizer-state bytes and peak memory.
 4. Host syncs per step (under ``jax.transfer_guard("disallow")``) and
@@ -35,10 +38,13 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import pathlib
 import re
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -67,6 +73,32 @@ DEFAULT_LEAF_COUNTS = "100,300,1000"
 SMOKE_LEAF_COUNTS = "10,30"
 COMPILE_TREE = 2**20  # the transformer-shaped tree of the compile-time section
 SMOKE_MODEL = ModelSize(width=32, depth=0, heads=2, seq=16, batch=2, vocab=64)
+# glibc malloc told not to map and unmap large blocks (issue 17): XLA:CPU
+# allocates some steps' scratch afresh on every call, and with glibc's
+# defaults a block that large is mmap-ed and unmapped each time, so every step
+# pays page faults on it. The first three variables keep such blocks in the
+# heap; they are not enough alone: XLA runs steps on threads of its own, whose
+# malloc arenas are heaps of at most 64 MiB that map any larger block whatever
+# the threshold (measured: remainder masters at 16M params, a 64 MiB scratch,
+# still faulted in 4 bytes per parameter per step), so MALLOC_ARENA_MAX=1 puts
+# every thread on the main heap. Read once, when the process starts.
+NO_MMAP_MALLOC = {
+  "MALLOC_MMAP_THRESHOLD_": "4294967296",
+  "MALLOC_TRIM_THRESHOLD_": "68719476736",
+  "MALLOC_TOP_PAD_": "1073741824",
+  "MALLOC_ARENA_MAX": "1",
+}
+# The two settings the storage modes are timed under, each in a process of its
+# own: (name, the environment variables set; those of NO_MMAP_MALLOC not named
+# are removed).
+ALLOCATORS = (("glibc defaults", {}), ("glibc, large blocks kept, one arena", NO_MMAP_MALLOC))
+# What those processes time: the storage modes, next to the full-master step.
+ALLOCATOR_VARIANTS = (
+  opt_bench.BASELINE,
+  opt_bench.MPX_BF16,
+  opt_bench.MPX_REMAINDER,
+  opt_bench.MPX_STOCHASTIC,
+)
 
 
 def parse_size(text: str) -> int:
@@ -122,6 +154,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     "--no-compile-time", action="store_true", help="skip the compile-time-vs-leaves section"
   )
   parser.add_argument("--variants", help="comma-separated optimizer-step variants to run")
+  parser.add_argument(
+    "--allocator-runs",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="also time the storage modes at the target sizes (16M and up; the first size with "
+    "--smoke) in two more processes, with glibc malloc's defaults and with "
+    + " ".join(f"{k}={v}" for k, v in NO_MMAP_MALLOC.items())
+    + " (default: yes, unless --variants is given)",
+  )
+  # Internal: the process an allocator run starts (storage modes only, no
+  # other section, results to --json).
+  parser.add_argument("--allocator-child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--no-train", action="store_true", help="skip the training-step benchmark")
   for field in dataclasses.fields(ModelSize):
     parser.add_argument(f"--model-{field.name}", type=int, help=f"demo model {field.name}")
@@ -136,6 +180,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   )
   args = parser.parse_args(argv)
   smoke = args.smoke
+  if args.allocator_child:
+    args.variants = None  # set below: the storage modes and what they are timed against
+    args.many_leaves, args.no_compile_time, args.no_train = 0, True, True
+    args.allocator_runs, args.out_dir, args.install_peers = False, "", False
+  if args.allocator_runs is None:
+    args.allocator_runs = args.variants is None
   args.sizes = [
     parse_size(s) for s in (args.sizes or (SMOKE_SIZES if smoke else DEFAULT_SIZES)).split(",")
   ]
@@ -176,15 +226,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [n for n in names if n not in known]
     if unknown:
       parser.error(f"unknown variants {unknown}; known: {sorted(known)}")
-    # A variant's ratio to the hand step of its dtype needs that step too, and
-    # one timed next to another variant needs that one (and, in turn, its own).
+    # A variant's ratios to the hand steps of its dtype need those steps too,
+    # and one timed next to another variant needs that one (and, in turn, its own).
     references = []
     for name in names:
       variant = known[name]
       while variant is not None:
-        references += [r for r in (variant.reference, variant.pair_with) if r]
+        references += [r for r in (variant.reference, variant.timed_next_to) if r]
+        if variant.kind == "mpx":
+          references.append(variant.check_then_apply)
         variant = known.get(variant.pair_with)
     args.variants = tuple(dict.fromkeys((opt_bench.BASELINE, *names, *references)))
+  if args.allocator_child:
+    args.variants = ALLOCATOR_VARIANTS
   return args
 
 
@@ -240,7 +294,7 @@ def optimizer_size(
   built, unavailable, n, grads = opt_bench.build_cases(shapes, names)
   # The finite checks alone are reported at the largest transformer-shaped size
   # only; on hundreds of leaves they would cost seconds of compiling each.
-  probes = opt_bench.probes(n, grads, checks=not many_leaves)
+  probes = opt_bench.probes(n, grads, checks=not (many_leaves or args.allocator_child))
   del grads
   # The probes first: they absorb one-time costs before any variant compiles.
   cases = [p.case for p in probes] + [c for _, c in built]
@@ -251,7 +305,7 @@ def optimizer_size(
     common.check_host_syncs(case, steps=2)
   log("  compiled and checked")
   compile_times = {}
-  if measure_compile:
+  if measure_compile and not args.allocator_child:
     compile_times = common.compile_seconds([c for _, c in built], args.compile_repeats)
     log("  compile times measured")
   present = {c.name for _, c in built}
@@ -288,6 +342,8 @@ def optimizer_size(
     ms = times.median_ms(case.name)
     seconds = ms / 1e3
     reference = variant.reference if variant.reference in present else None
+    cond = variant.check_then_apply
+    cond = cond if cond in present and cond != variant.name else None
     next_to = references.get(case.name)
     full = variant.pair_with if variant.pair_with in present else None
     row = {
@@ -296,10 +352,14 @@ def optimizer_size(
       "x_base": times.ratio(case.name, opt_bench.BASELINE),
       "reference": reference,
       "x_hand": None if reference is None else times.ratio(case.name, reference),
+      "check_then_apply": cond,
+      "x_cond": None if cond is None else times.ratio(case.name, cond),
       # The paired ratio to the variant it was timed next to in every round:
-      # the hand step of its dtype, or (pair_with) the full-master mpx step.
+      # the check-then-apply step of its dtype, or (pair_with) the full-master
+      # mpx step.
       "paired_with": next_to,
       "x_hand_paired": times.paired_ratio(case.name) if next_to == reference else None,
+      "x_cond_paired": times.paired_ratio(case.name) if cond and next_to == cond else None,
       "x_full": None if full is None else times.ratio(case.name, full),
       "x_full_paired": times.paired_ratio(case.name) if full and next_to == full else None,
       "paired_rounds": times.paired.get(case.name, []),
@@ -407,6 +467,77 @@ def train_benchmark(args: argparse.Namespace) -> dict[str, Any]:
   }
 
 
+def allocator_sizes(args: argparse.Namespace) -> list[int]:
+  """The sizes the allocator runs time: the target sizes (the first with --smoke)."""
+  if args.smoke:
+    return args.sizes[:1]
+  return [n for n in args.sizes if n >= report.TARGET_MIN_PARAMS]
+
+
+def allocator_env(settings: dict[str, str]) -> dict[str, str]:
+  """This process's environment with ``settings`` for glibc malloc: each of
+  :data:`NO_MMAP_MALLOC`'s variables set as ``settings`` says, or removed."""
+  env = {k: v for k, v in os.environ.items() if k not in NO_MMAP_MALLOC}
+  env.update(settings)
+  return env
+
+
+def allocator_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+  """The storage modes timed under each of :data:`ALLOCATORS`, in a process of
+  its own (glibc reads its settings when the process starts).
+
+  Returns:
+    One entry per setting: its name, the variables it sets, LD_PRELOAD if
+    set (a preloaded allocator replaces glibc's), and the child's optimizer
+    sizes, or ``error`` with the end of its output if it failed.
+  """
+  sizes = allocator_sizes(args)
+  if not sizes:
+    return []
+  out = []
+  for name, settings in ALLOCATORS:
+    log(f"storage modes in a new process, malloc: {name}")
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "results.json"
+      command = [
+        sys.executable,
+        str(pathlib.Path(__file__).resolve()),
+        "--allocator-child",
+        "--sizes",
+        ",".join(str(n) for n in sizes),
+        "--json",
+        str(path),
+        "--layers",
+        str(args.layers),
+        "--steps",
+        str(args.steps),
+        "--window",
+        str(args.window),
+      ]
+      if args.rounds:
+        command += ["--rounds", str(args.rounds)]
+      if args.smoke:
+        command.append("--smoke")
+      proc = subprocess.run(
+        command, env=allocator_env(settings), capture_output=True, text=True, check=False
+      )
+      entry: dict[str, Any] = {
+        "name": name,
+        "env": dict(settings),
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+      }
+      if proc.returncode == 0 and path.exists():
+        child = json.loads(path.read_text())
+        entry["sizes"] = child["optimizer"]["sizes"]
+        entry["runtime_s"] = child["runtime_s"]
+        entry["malloc"] = child["machine"].get("malloc")
+      else:
+        entry["error"] = f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+        log(f"  failed: {entry['error'][-300:]}")
+    out.append(entry)
+  return out
+
+
 def command_line(argv: list[str] | None) -> str:
   argv = sys.argv[1:] if argv is None else argv
   return shlex.join(["python", "benchmarks/run.py", *argv])
@@ -471,6 +602,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
       "leaves": sizes[0]["leaves"],
     },
   }
+  if args.allocator_runs:
+    results["allocators"] = allocator_runs(args)
   if not args.no_compile_time:
     log("compile time against leaf count")
     label = report.size_label(args.compile_tree)

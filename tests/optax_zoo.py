@@ -454,7 +454,9 @@ def check_loss_scale(case: Case) -> list[str]:
       before = (params, state.inner_state)
       params, state, updates = step(scaled, state, params, extra)
       failures += _differences("skipped step params", params, before[0])
-      failures += _differences("skipped step state", state.inner_state, before[1])
+      # Bitwise the state before, with the skip counted.
+      counted = before[1]._replace(nonfinite_steps=before[1].nonfinite_steps + 1)
+      failures += _differences("skipped step state", state.inner_state, counted)
       zeros = jax.tree.map(jnp.zeros_like, updates)
       failures += _differences("skipped step updates", updates, zeros)
       if bool(state.last_step_finite) or float(state.loss_scale) != scale / 2:

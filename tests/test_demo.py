@@ -15,14 +15,20 @@ import pytest
 # Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
 pytestmark = pytest.mark.slow
 
-MODES = (
-  "fp32",
-  "bf16+mpx",
-  "bf16+mpx remainder",
-  "bf16 stochastic",
-  "fp16+mpx+scale",
-  "bf16 no masters",
-)
+# The rows the demo must print, in order, with their params' dtype and
+# optimizer-state bytes per parameter: Adam's two float32 moments, plus a
+# float32 master (full), its int16 low half (remainder) or nothing
+# (stochastic: a uint32 key per leaf); plain optax on bf16 params keeps both
+# moments in bf16. (Counters, keys and the scale are negligible.)
+ROWS = {
+  "fp32": ("float32", 8.0),
+  "bf16+mpx": ("bfloat16", 12.0),
+  "bf16+mpx remainder": ("bfloat16", 10.0),
+  "bf16 stochastic": ("bfloat16", 8.0),
+  "fp16+mpx+scale": ("float16", 12.0),
+  "bf16 no masters": ("bfloat16", 4.0),
+}
+MODES = tuple(ROWS)
 # Cells after the mode name: params dtype, train loss, val loss, vs fp32,
 # tokens/s, state bytes per param, skipped steps, loss scale.
 DTYPE, TRAIN, VAL, GAP, TOKENS, STATE, SKIPPED, SCALE = range(8)
@@ -74,10 +80,8 @@ def test_smoke_table_rows(smoke):
   rows = table_rows(result.stdout)
   assert list(rows) == list(MODES), result.stdout
   assert [len(cells) for cells in rows.values()] == [8] * len(MODES), result.stdout
-  assert rows["fp32"][DTYPE] == "float32"
-  assert rows["fp16+mpx+scale"][DTYPE] == "float16"
-  for mode in ("bf16+mpx", "bf16+mpx remainder", "bf16 stochastic", "bf16 no masters"):
-    assert rows[mode][DTYPE] == "bfloat16"
+  for mode, (dtype, _) in ROWS.items():
+    assert rows[mode][DTYPE] == dtype, mode
   for cells in rows.values():
     assert float(cells[VAL]) > 0 and float(cells[TRAIN]) > 0
     assert float(cells[TOKENS].replace(",", "")) > 0
@@ -93,19 +97,7 @@ def test_smoke_remainder_row_equals_full_row(smoke):
 
 def test_smoke_optimizer_state_bytes_per_param(smoke):
   rows = table_rows(smoke[0].stdout)
-  # Adam's two float32 moments; mpx adds a float32 master (full), its int16
-  # low half (remainder) or nothing (stochastic: a uint32 key per leaf); plain
-  # optax on bf16 params keeps both moments in bf16. (Counters, keys and the
-  # scale are negligible.)
-  expected = {
-    "fp32": 8.0,
-    "bf16+mpx": 12.0,
-    "bf16+mpx remainder": 10.0,
-    "bf16 stochastic": 8.0,
-    "fp16+mpx+scale": 12.0,
-    "bf16 no masters": 4.0,
-  }
-  for mode, state in expected.items():
+  for mode, (_, state) in ROWS.items():
     assert float(rows[mode][STATE]) == pytest.approx(state, abs=0.05), mode
 
 
@@ -149,6 +141,19 @@ def test_check_fails_when_claims_do_not_hold(tmp_path):
   assert "OK: bf16+mpx remainder is bitwise identical" in result.stdout, result.stdout
 
 
+def test_default_size_run_passes_its_checks(tmp_path):
+  # The main job as a user runs it (3 to 5 minutes on 2 cores): every claim
+  # the demo makes must hold at its default size, not only at the smoke size.
+  result = run_demo("--out", str(tmp_path / "demo.png"))
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert list(table_rows(result.stdout)) == list(MODES), result.stdout
+  lines = result.stdout.splitlines()
+  assert not any(line.startswith("FAIL") for line in lines), result.stdout
+  # Every row but the reference makes a claim (a bound, or bitwise equality).
+  for mode in MODES[1:]:
+    assert any(line.startswith(f"OK: {mode} ") for line in lines), (mode, result.stdout)
+
+
 # --- The self-check on made-up results, in process ---------------------------------
 
 
@@ -187,22 +192,73 @@ def made_up_results(demo, val_losses: dict[str, float]) -> list:
   ]
 
 
-def test_check_passes_made_up_results(demo):
-  results = made_up_results(demo, {"bf16 stochastic": 1.019, "bf16 no masters": 1.021})
-  ok, lines = demo.check(results, tolerance=0.02, min_gap=0.02)
-  assert ok
+def full_and_remainder(val_loss: float) -> dict[str, float]:
+  # The remainder row must equal the full one bit for bit: move both together.
+  return {"bf16+mpx": val_loss, "bf16+mpx remainder": val_loss}
+
+
+def test_the_demo_has_the_rows_this_test_expects(demo):
+  assert demo.MODES == MODES
+  assert demo.TABLE_HEADER.startswith("mode ")
+
+
+def test_check_passes_made_up_results_within_each_row_s_bound(demo):
+  # The bounds issue 17 asks for: 1% of FP32's validation loss for the mpx
+  # rows, 2% for stochastic rounding; bf16 without masters worse by over 2%.
+  results = made_up_results(
+    demo,
+    {
+      **full_and_remainder(1.0099),
+      "fp16+mpx+scale": 0.99,  # better than FP32 is fine
+      "bf16 stochastic": 1.019,
+      "bf16 no masters": 1.021,
+    },
+  )
+  ok, lines = demo.check(results)
+  assert ok, lines
   out = "\n".join(lines)
   assert "FAIL" not in out and out.count("OK:") == 6, out
+  assert "OK: bf16+mpx validation loss +0.99% vs FP32 (must be at most 1.0% worse)" in out, out
+  assert "OK: bf16 stochastic validation loss +1.90% vs FP32 (must be at most 2.0% worse)" in out, (
+    out
+  )
+  assert "(must be worse by more than 2.0%)" in out, out
 
 
-def test_check_fails_stochastic_beyond_tolerance_or_no_masters_too_close(demo):
-  results = made_up_results(demo, {"bf16 stochastic": 1.021, "bf16 no masters": 1.019})
-  ok, lines = demo.check(results, tolerance=0.02, min_gap=0.02)
+def test_check_fails_each_row_beyond_its_own_bound(demo):
+  results = made_up_results(
+    demo,
+    {
+      **full_and_remainder(1.0101),
+      "fp16+mpx+scale": 1.0101,
+      "bf16 stochastic": 1.021,
+      "bf16 no masters": 1.019,
+    },
+  )
+  ok, lines = demo.check(results)
   assert not ok
   out = "\n".join(lines)
-  assert "FAIL: bf16 stochastic validation loss +2.10% vs FP32" in out, out
+  for mode in ("bf16+mpx", "bf16+mpx remainder", "fp16+mpx+scale"):
+    assert f"FAIL: {mode} validation loss +1.01% vs FP32 (must be at most 1.0% worse)" in out, out
+  assert (
+    "FAIL: bf16 stochastic validation loss +2.10% vs FP32 (must be at most 2.0% worse)" in out
+  ), out
   assert "FAIL: bf16 no masters validation loss +1.90% vs FP32" in out, out
   assert "OK: bf16+mpx remainder is bitwise identical" in out, out
+
+
+def test_check_bounds_can_be_overridden(demo):
+  # --tolerance and --min-gap replace every row's bound.
+  results = made_up_results(
+    demo, {**full_and_remainder(1.03), "bf16 stochastic": 1.04, "bf16 no masters": 1.015}
+  )
+  ok, lines = demo.check(results, tolerance=0.05, min_gap=0.01)
+  assert ok, lines
+  ok, lines = demo.check(results, tolerance=0.035, min_gap=0.01)
+  assert not ok
+  assert [line for line in lines if line.startswith("FAIL")] == [
+    "FAIL: bf16 stochastic validation loss +4.00% vs FP32 (must be at most 3.5% worse)"
+  ]
 
 
 def flip_last_bit_of_a_param(result):
@@ -250,12 +306,22 @@ def test_differences_finds_none_between_equal_copies(demo):
 # --- The README's results block ---------------------------------------------------
 
 
+# What the block must say every checked run guarantees, whatever the machine.
+BOUNDS = (
+  "`bf16+mpx remainder` is bitwise `bf16+mpx`; `bf16+mpx`, `bf16+mpx remainder` and "
+  "`fp16+mpx+scale` end at most 1.0% above FP32's validation loss, `bf16 stochastic` at "
+  "most 2.0%; `bf16 no masters` more than 2.0% above it"
+)
+
+
 def test_readme_block_is_rewritten_from_the_run_and_nothing_else(demo, tmp_path):
   readme = tmp_path / "README.md"
   before, after = "# Title\n\nintro\n", "\nrest of the page\n"
   readme.write_text(f"{before}{demo.README_START}\nstale table\n{demo.README_END}{after}")
-  results = made_up_results(demo, {"bf16 stochastic": 1.004, "bf16 no masters": 1.033})
-  ok, checks = demo.check(results, tolerance=0.02, min_gap=0.02)
+  results = made_up_results(
+    demo, {"bf16 stochastic": 1.004, "fp16+mpx+scale": 0.997, "bf16 no masters": 1.033}
+  )
+  ok, checks = demo.check(results)
   assert ok
   report = demo.table_lines(results) + checks
   demo.write_readme_block(readme, report, results, 279.4, ["--steps", "10"])
@@ -263,10 +329,38 @@ def test_readme_block_is_rewritten_from_the_run_and_nothing_else(demo, tmp_path)
   assert text.startswith(before + demo.README_START + "\n")
   assert text.endswith(demo.README_END + after)
   assert "stale table" not in text
-  assert "`python examples/demo.py --steps 10`, 279 s" in text
-  assert "\n```\n" + "\n".join(report) + "\n```\n" in text
-  assert "within 0.40% of FP32's validation loss" in text
-  assert "bf16 without master weights ends +3.30% from it" in text
+  block = text.split(demo.README_START)[1].split(demo.README_END)[0]
+  # Where it ran, with what its numbers depend on, and how long it took.
+  header = block.splitlines()[1]
+  assert header.startswith("On a ") and "CPU" in header and ", jax 0." in header, header
+  assert "`python examples/demo.py --steps 10`; the demo took 279 s, load average " in header
+  assert "\n```\n" + "\n".join(report) + "\n```\n" in block
+  # The bounds the checks enforce, as claims for any machine; this run's
+  # numbers only as this run's.
+  assert BOUNDS in block
+  assert "in this run the mpx rows end -0.30% to +0.40%, `bf16 no masters` +3.30%" in block
+  assert "depend on the machine" in block and "features" in block and "version" in block
+  assert "Every mpx row ends within" not in block
+
+
+def test_readme_block_states_the_bounds_the_run_checked(demo, tmp_path):
+  readme = tmp_path / "README.md"
+  readme.write_text(f"{demo.README_START}\n{demo.README_END}\n")
+  results = made_up_results(demo, {"bf16 no masters": 1.033})
+  demo.write_readme_block(readme, [], results, 1.0, [], tolerance=0.05, min_gap=0.03)
+  text = readme.read_text()
+  assert (
+    "`bf16+mpx`, `bf16+mpx remainder`, `bf16 stochastic` and `fp16+mpx+scale` end at most "
+    "5.0% above FP32's validation loss; `bf16 no masters` more than 3.0% above it"
+  ) in text, text
+
+
+@pytest.mark.parametrize("flag", ["--no-check", "--smoke"])
+def test_readme_needs_a_checked_full_size_run(demo, flag, monkeypatch, capsys):
+  monkeypatch.delenv("MPX_SMOKE", raising=False)
+  with pytest.raises(SystemExit):
+    demo.parse_args(["--readme", "README.md", flag])
+  assert "--readme needs a checked run" in capsys.readouterr().err
 
 
 def test_readme_block_needs_both_markers(demo, tmp_path):
@@ -287,3 +381,5 @@ def test_the_readme_shows_a_table_in_the_demo_s_current_format(demo):
     assert any(line.startswith(mode + " ") for line in block.splitlines()), mode
   assert "OK: bf16+mpx remainder is bitwise identical to bf16+mpx" in block
   assert "FAIL" not in block
+  # The summary in the writer's current words, with the rows' bounds.
+  assert BOUNDS in block

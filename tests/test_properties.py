@@ -17,7 +17,7 @@ import optax
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from treecheck import round_like_params
+from treecheck import round_like_params, skip_recorded
 
 import mpx
 
@@ -169,7 +169,7 @@ def test_any_nonfinite_gradient_skips_with_everything_bitwise_unchanged(
   updates, skipped = step(grads, state, params)
 
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
-  before, after = jax.tree.leaves(state.inner_state), jax.tree.leaves(skipped.inner_state)
-  assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+  # Bitwise unchanged but for the mixed_precision's count of the skip.
+  assert skip_recorded(skipped.inner_state, state.inner_state)
   assert int(skipped.skipped_steps) == 1
   assert float(skipped.loss_scale) == float(state.loss_scale) / 2
