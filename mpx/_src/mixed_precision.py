@@ -71,6 +71,13 @@ def mixed_precision(
   A bfloat16 param under float32 masters is its master rounded to nearest,
   ties away from zero; any other is rounded to nearest even. Both saturate.
 
+  How the inner rule's moments are stored (``moments``, float32 masters
+  only): ``"full"`` as the rule makes them, or ``"bfloat16"`` (2 bytes per
+  element, rounded stochastically, with bits from ``seed``) for every leaf of
+  at least 4096 elements under a field named in ``moment_fields`` (Adam's
+  ``mu`` and ``nu``, momentum's ``trace``). The rule still runs in float32;
+  :func:`mpx.inner_state` gives its state back in float32.
+
   A step is skipped when a gradient, as ``inner`` would receive it (unscaled
   and cast to ``dtype``), holds inf or NaN: zero updates, the masters and the
   inner state bitwise unchanged, and ``nonfinite_steps`` counts it. Under
@@ -85,7 +92,11 @@ def mixed_precision(
     inner: the optax rule to run in high precision, e.g. ``optax.adamw(3e-4)``.
     dtype: the floating dtype of the masters and of the inner rule.
     masters: ``"full"``, ``"remainder"`` or ``"stochastic"``.
-    seed: the seed of the random bits of ``"stochastic"`` (an integer).
+    moments: ``"full"`` or ``"bfloat16"``.
+    moment_fields: the names of the state fields whose leaves ``moments``
+      compresses (e.g. ``("m", "v", "n")`` for ``optax.adan``).
+    seed: the seed of the random bits of ``"stochastic"`` masters and of
+      compressed moments (an integer).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
