@@ -20,9 +20,10 @@ from mpx._src.loss_scale import (
   static_loss_scale,
   unscale,
 )
-from mpx._src.mixed_precision import master_params, mixed_precision
+from mpx._src.mixed_precision import inner_state, master_params, mixed_precision
 from mpx._src.sharding import zero1_shardings
 from mpx._src.states import (
+  Bfloat16Moment,
   LossScaleState,
   MixedPrecisionRemainderState,
   MixedPrecisionState,
@@ -34,6 +35,7 @@ from mpx._src.tree import cast_tree, select_tree
 __version__ = "0.1.0"
 
 __all__ = [
+  "Bfloat16Moment",
   "LossScaleState",
   "MixedPrecisionRemainderState",
   "MixedPrecisionState",
@@ -43,6 +45,7 @@ __all__ = [
   "cast_tree",
   "get_loss_scale",
   "init_from_full_precision",
+  "inner_state",
   "loss_scale",
   "master_params",
   "mixed_precision",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ import numpy as np
 import optax
 
 from mpx._src import full_precision, skip, state_search, storage, validation, verdict
+from mpx._src import moments as moments_lib
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
 
@@ -41,6 +43,8 @@ def mixed_precision(
   dtype: jax.typing.DTypeLike = jnp.float32,
   *,
   masters: str = "full",
+  moments: str = "full",
+  moment_fields: Sequence[str] = moments_lib.DEFAULT_FIELDS,
   seed: int = 0,
 ) -> verdict.TakesLossScaledGradients:
   """Keeps ``dtype`` master weights and runs ``inner`` on them.
@@ -67,6 +71,13 @@ def mixed_precision(
   A bfloat16 param under float32 masters is its master rounded to nearest,
   ties away from zero; any other is rounded to nearest even. Both saturate.
 
+  How the inner rule's moments are stored (``moments``, float32 masters
+  only): ``"full"`` as the rule makes them, or ``"bfloat16"`` (2 bytes per
+  element, rounded stochastically, with bits from ``seed``) for every leaf of
+  at least 4096 elements under a field named in ``moment_fields`` (Adam's
+  ``mu`` and ``nu``, momentum's ``trace``). The rule still runs in float32;
+  :func:`mpx.inner_state` gives its state back in float32.
+
   A step is skipped when a gradient, as ``inner`` would receive it (unscaled
   and cast to ``dtype``), holds inf or NaN: zero updates, the masters and the
   inner state bitwise unchanged, and ``nonfinite_steps`` counts it. Under
@@ -81,7 +92,11 @@ def mixed_precision(
     inner: the optax rule to run in high precision, e.g. ``optax.adamw(3e-4)``.
     dtype: the floating dtype of the masters and of the inner rule.
     masters: ``"full"``, ``"remainder"`` or ``"stochastic"``.
-    seed: the seed of the random bits of ``"stochastic"`` (an integer).
+    moments: ``"full"`` or ``"bfloat16"``.
+    moment_fields: the names of the state fields whose leaves ``moments``
+      compresses (e.g. ``("m", "v", "n")`` for ``optax.adan``).
+    seed: the seed of the random bits of ``"stochastic"`` masters and of
+      compressed moments (an integer).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -112,6 +127,7 @@ def mixed_precision(
   dtype = tree_lib.require_floating_dtype(dtype, "dtype")
   mode = _check_mode(masters, dtype)
   seed = _check_seed(seed)
+  moments_format = moments_lib.check_format(moments, moment_fields, seed, dtype)
   validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
 
@@ -127,9 +143,17 @@ def mixed_precision(
     leaves = _Leaves.align(mode, dtype, None, params, treedef.unflatten(stored))
     inner_state = inner.init(leaves.tree(leaves.masters(leaves.stored)))
     _refuse_loss_scale_inside(inner_state)
+    moments_format.check_fields_exist(inner_state)
     # Two arrays, not one: a step that donates the state donates each buffer once.
     applied, nonfinite = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-    return mode.state(treedef.unflatten(stored), applied, nonfinite, inner_state)
+    flat_inner, inner_treedef = _flatten_leaves(inner_state)
+    stored_inner = [
+      kind.compress(value, None, applied)
+      for kind, value in zip(moments_format.kinds(inner_state), flat_inner, strict=True)
+    ]
+    return mode.state(
+      treedef.unflatten(stored), applied, nonfinite, inner_treedef.unflatten(stored_inner)
+    )
 
   def update_fn(
     updates: optax.Updates,
@@ -146,19 +170,23 @@ def mixed_precision(
       )
     _check_state_type(state, mode)
     leaves = _Leaves.align(mode, dtype, updates, params, mode.stored(state))
+    inner_like = jax.eval_shape(inner.init, leaves.tree(leaves.master_shapes()))
+    inner_kinds = moments_format.kinds(inner_like)
+    inner_flat_like, inner_treedef = _flatten_leaves(inner_like)
+    stored_like = [k.stored_like(x) for k, x in zip(inner_kinds, inner_flat_like, strict=True)]
     validation.check_state_like(
-      "mixed_precision",
-      state.inner_state,
-      jax.eval_shape(inner.init, leaves.tree(leaves.master_shapes())),
-      "inner_state/",
+      "mixed_precision", state.inner_state, inner_treedef.unflatten(stored_like), "inner_state/"
     )
     # 2. The verdict, on each gradient as the inner rule will receive it.
     received_dtypes = [kind.master_dtype for kind in leaves.grad_kinds]
     finite = verdict.gradients_finite(leaves.grads, received_dtypes, unscaling)
 
     # 3. The step on the masters, inside one cond: skipped, nothing is written.
-    def apply(carry: tuple[list[Any], Any], grads: list[Any]) -> tuple[Any, list[Any]]:
-      stored, inner_state = carry
+    def apply(carry: tuple[list[Any], list[Any]], grads: list[Any]) -> tuple[Any, list[Any]]:
+      stored, stored_inner = carry
+      inner_state = inner_treedef.unflatten(
+        [k.decompress(s) for k, s in zip(inner_kinds, stored_inner, strict=True)]
+      )
       grads = [
         verdict.received(g, d, unscaling) for g, d in zip(grads, received_dtypes, strict=True)
       ]
@@ -183,10 +211,17 @@ def mixed_precision(
       ]
       new_stored = [s for s, _ in committed]
       handed_out = [out for _, out in committed]  # what each leaf's param_update reads
-      return (new_stored, new_inner), handed_out
+      new_stored_inner = [
+        kind.compress(value, s, state.applied_steps)
+        for kind, value, s in zip(
+          inner_kinds, inner_treedef.flatten_up_to(new_inner), stored_inner, strict=True
+        )
+      ]
+      return (new_stored, new_stored_inner), handed_out
 
-    (stored, new_inner), handed_out, applied = skip.apply_if_finite(
-      finite, apply, (leaves.stored, state.inner_state), leaves.grads
+    stored_inner, _ = moments_lib.flatten_stored(state.inner_state)
+    (stored, new_stored_inner), handed_out, applied = skip.apply_if_finite(
+      finite, apply, (leaves.stored, stored_inner), leaves.grads
     )
     # 4. The param updates, after the cond: they fuse into optax.apply_updates.
     param_updates = [
@@ -197,7 +232,7 @@ def mixed_precision(
       leaves.treedef.unflatten(stored),
       state.applied_steps + applied.astype(jnp.int32),
       state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32),
-      new_inner,
+      inner_treedef.unflatten(new_stored_inner),
     )
     return leaves.tree(param_updates), new_state
 
@@ -267,6 +302,12 @@ def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_lib.no_master)
   paths = [tree_lib.path_str(path) or "<root>" for path, _ in flat]
   return paths, [leaf for _, leaf in flat], treedef
+
+
+def _flatten_leaves(tree: Any) -> tuple[list[Any], Any]:
+  """``jax.tree.flatten``, typed for the treedef's methods."""
+  flat, treedef = jax.tree.flatten(tree)
+  return flat, treedef
 
 
 def _check_stored(
@@ -392,3 +433,40 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
     except ValueError as error:
       raise ValueError("master_params: params do not match the masters in opt_state.") from error
   return result
+
+
+def inner_state(opt_state: optax.OptState) -> optax.OptState:
+  """The wrapped rule's state as plain optax would hold it.
+
+  Finds the one :func:`mixed_precision` state in ``opt_state`` (at any depth:
+  under ``loss_scale``, chain, ``MultiSteps``, ``inject_hyperparams``) and
+  returns its ``inner_state`` with every compressed moment (``moments=
+  "bfloat16"`` or ``"8bit"``) decompressed to float32; with ``moments="full"``
+  it is the ``inner_state`` itself. For inspection, conversion to plain optax
+  and checkpoint migration. Works under ``jit``.
+
+  Args:
+    opt_state: an optimizer state holding exactly one ``mixed_precision`` state.
+
+  Returns:
+    The inner rule's state, with float32 moments.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no ``mixed_precision`` state, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> tx = mpx.mixed_precision(optax.adam(1e-3), moments="bfloat16")
+    >>> state = tx.init({"w": jnp.ones(4096, jnp.bfloat16)})
+    >>> state.inner_state[0].mu["w"].values.dtype  # stored compressed
+    dtype(bfloat16)
+    >>> mpx.inner_state(state)[0].mu["w"].dtype  # as optax.adam holds it
+    dtype('float32')
+  """
+  states: list[Any] = state_search.find_states(opt_state, MIXED_PRECISION_STATES)
+  if len(states) != 1:
+    raise ValueError(
+      f"inner_state: opt_state holds {len(states)} mixed_precision states; pass the "
+      "part of it that holds exactly one (e.g. one group of an optax.partition)."
+    )
+  return moments_lib.decompressed(states[0].inner_state)

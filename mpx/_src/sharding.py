@@ -30,6 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpx._src import tree as tree_lib
+from mpx._src.states import COMPRESSED_MOMENTS
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -181,6 +182,9 @@ def zero1_shardings(
   def shard_like_param(leaf: Any, param: Any) -> Any:
     if tree_lib.is_placeholder(leaf):
       return leaf
+    if isinstance(leaf, COMPRESSED_MOMENTS):  # each stored part sharded with its leaf
+      parts: Any = leaf
+      return type(leaf)(*(shard_like_param(part, param) for part in parts))
     shape = tuple(getattr(leaf, "shape", ()))
     if not shape:
       return replicated
@@ -195,5 +199,5 @@ def zero1_shardings(
     abstract_state,
     params,
     transform_non_params=lambda _: replicated,
-    is_leaf=tree_lib.is_placeholder,
+    is_leaf=lambda x: tree_lib.is_placeholder(x) or isinstance(x, COMPRESSED_MOMENTS),
   )

@@ -85,6 +85,23 @@ MIXED_PRECISION_STATES = (
 )
 
 
+class Bfloat16Moment(NamedTuple):
+  """A float32 leaf of the inner rule's state stored in bfloat16
+  (``mixed_precision(..., moments="bfloat16")``); :func:`mpx.inner_state`
+  gives it back in float32.
+
+  Attributes:
+    values: the leaf, rounded stochastically to bfloat16.
+  """
+
+  values: jax.Array
+
+
+# Every stored form of a compressed moment: a node of the inner state that
+# stands for one float32 leaf of the inner rule's state.
+COMPRESSED_MOMENTS: tuple[type, ...] = (Bfloat16Moment,)
+
+
 class LossScaleState(NamedTuple):
   """State of :func:`mpx.loss_scale` and :func:`mpx.static_loss_scale`.
 
