@@ -260,8 +260,8 @@ class _Leaves:
     """Lines the trees up, checking each against the others (naming the leaf
     and the fix). ``grads`` is None at ``init``."""
     paths, params_flat, treedef = _flatten(params)
-    stored_flat = _check_stored(mode, dtype, stored, paths, params_flat, treedef)
     kinds = [mode.kind_for(p, dtype, path) for path, p in zip(paths, params_flat, strict=True)]
+    stored_flat = _check_stored(mode, dtype, stored, paths, params_flat, kinds, treedef)
     mirrored = validation.gradient_params(params)
     if mirrored is params:
       grad_treedef, grad_kinds, grad_params = treedef, kinds, params_flat
@@ -311,19 +311,24 @@ def _flatten_leaves(tree: Any) -> tuple[list[Any], Any]:
 
 
 def _check_stored(
-  mode: storage.Mode, dtype: Any, stored: Any, paths: list[str], params: list[Any], treedef: Any
+  mode: storage.Mode,
+  dtype: Any,
+  stored: Any,
+  paths: list[str],
+  params: list[Any],
+  kinds: list[Any],
+  treedef: Any,
 ) -> list[Any]:
-  """What is stored, flat, after checking it leaf by leaf against what this
-  transformation's init would store for the params."""
+  """What is stored, flat, after checking it leaf by leaf against what each
+  param's kind would store for it at init."""
   stored_flat, stored_def = jax.tree.flatten(stored, is_leaf=tree_lib.no_master)
   if stored_def != treedef:
     raise ValueError(
       "mixed_precision: params do not match the optimizer state (was the state "
       f"made by init on another tree?).\n  state: {stored_def}\n  params: {treedef}"
     )
-  for path, s, param in zip(paths, stored_flat, params, strict=True):
-    want = mode.kind_for(param, dtype, path).stored_like(param)
-    validation.check_stored_leaf(mode.stored_field, path, s, want, param, dtype)
+  for path, s, param, kind in zip(paths, stored_flat, params, kinds, strict=True):
+    validation.check_stored_leaf(mode.stored_field, path, s, kind.stored_like(param), param, dtype)
   return stored_flat
 
 
