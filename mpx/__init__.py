@@ -28,6 +28,8 @@ from mpx._src.states import (
   MixedPrecisionRemainderState,
   MixedPrecisionState,
   MixedPrecisionStochasticState,
+  Nonnegative8bitMoment,
+  Signed8bitMoment,
 )
 from mpx._src.sync import sync_masters
 from mpx._src.tree import cast_tree, select_tree
@@ -40,6 +42,8 @@ __all__ = [
   "MixedPrecisionRemainderState",
   "MixedPrecisionState",
   "MixedPrecisionStochasticState",
+  "Nonnegative8bitMoment",
+  "Signed8bitMoment",
   "adjust",
   "all_finite",
   "cast_tree",

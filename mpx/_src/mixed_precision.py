@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -44,7 +44,7 @@ def mixed_precision(
   *,
   masters: str = "full",
   moments: str = "full",
-  moment_fields: Sequence[str] = moments_lib.DEFAULT_FIELDS,
+  moment_fields: Sequence[str] | Mapping[str, str] = moments_lib.DEFAULT_FIELDS,
   seed: int = 0,
 ) -> verdict.TakesLossScaledGradients:
   """Keeps ``dtype`` master weights and runs ``inner`` on them.
@@ -72,11 +72,20 @@ def mixed_precision(
   ties away from zero; any other is rounded to nearest even. Both saturate.
 
   How the inner rule's moments are stored (``moments``, float32 masters
-  only): ``"full"`` as the rule makes them, or ``"bfloat16"`` (2 bytes per
-  element, rounded stochastically, with bits from ``seed``) for every leaf of
-  at least 4096 elements under a field named in ``moment_fields`` (Adam's
-  ``mu`` and ``nu``, momentum's ``trace``). The rule still runs in float32;
-  :func:`mpx.inner_state` gives its state back in float32.
+  only; docs/concepts_masters.md), for every leaf of at least 4096 elements
+  under a field named in ``moment_fields`` (Adam's ``mu`` and ``nu``,
+  momentum's ``trace``):
+
+  - ``"full"``: as the rule makes them (4 bytes per element).
+  - ``"bfloat16"``: 2 bytes per element.
+  - ``"8bit"``: a byte per element plus a float32 scale per block of at most
+    256 along the last axis (about 1.02 bytes); second moments (``nu``) in a
+    code that never turns a positive value into zero. A leaf whose last axis
+    is shorter than 16 is stored in bfloat16.
+
+  Both round stochastically (unbiased), with bits from ``seed`` and the count
+  of applied steps. The rule still runs in float32 on the decompressed
+  moments; :func:`mpx.inner_state` gives its state back in float32.
 
   A step is skipped when a gradient, as ``inner`` would receive it (unscaled
   and cast to ``dtype``), holds inf or NaN: zero updates, the masters and the
@@ -92,9 +101,12 @@ def mixed_precision(
     inner: the optax rule to run in high precision, e.g. ``optax.adamw(3e-4)``.
     dtype: the floating dtype of the masters and of the inner rule.
     masters: ``"full"``, ``"remainder"`` or ``"stochastic"``.
-    moments: ``"full"`` or ``"bfloat16"``.
+    moments: ``"full"``, ``"bfloat16"`` or ``"8bit"``.
     moment_fields: the names of the state fields whose leaves ``moments``
-      compresses (e.g. ``("m", "v", "n")`` for ``optax.adan``).
+      compresses. A sequence takes ``nu`` and ``nu_max`` as second moments
+      (non-negative) and other names as signed; a mapping names each one's
+      kind, e.g. ``{"m": "signed", "v": "signed", "n": "nonnegative"}`` for
+      ``optax.adan``.
     seed: the seed of the random bits of ``"stochastic"`` masters and of
       compressed moments (an integer).
 
@@ -148,7 +160,7 @@ def mixed_precision(
     applied, nonfinite = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     flat_inner, inner_treedef = _flatten_leaves(inner_state)
     stored_inner = [
-      kind.compress(value, None, applied)
+      kind.compress(value, applied)
       for kind, value in zip(moments_format.kinds(inner_state), flat_inner, strict=True)
     ]
     return mode.state(
@@ -212,10 +224,8 @@ def mixed_precision(
       new_stored = [s for s, _ in committed]
       handed_out = [out for _, out in committed]  # what each leaf's param_update reads
       new_stored_inner = [
-        kind.compress(value, s, state.applied_steps)
-        for kind, value, s in zip(
-          inner_kinds, inner_treedef.flatten_up_to(new_inner), stored_inner, strict=True
-        )
+        kind.compress(value, state.applied_steps)
+        for kind, value in zip(inner_kinds, inner_treedef.flatten_up_to(new_inner), strict=True)
       ]
       return (new_stored, new_stored_inner), handed_out
 

@@ -10,36 +10,54 @@ Which leaves: those under a field named in ``fields`` (``mu``, ``nu`` and
 ``trace`` by default: Adam's, Lion's, momentum's moments) of any optax state
 inside the inner rule, floating, with at least :data:`MIN_SIZE` elements.
 Counts, injected hyperparameters, small leaves and everything else stay as
-the inner rule made them.
+the inner rule made them. Under ``"8bit"`` each field is signed (a first
+moment) or non-negative (a second moment, whose code never turns a positive
+value into zero): ``nu`` and ``nu_max`` are non-negative, other names signed,
+unless the user maps names to kinds. A leaf whose last axis is shorter than
+:data:`MIN_ROW_8BIT` is stored in bfloat16 instead: its blocks (one per row)
+would cost more in scales than 8 bits save.
 
-Compression rounds stochastically: the bits come from ``seed``, the leaf's
-position in the inner state and the count of applied steps (the counter the
-stochastic masters use), so a slow average such as Adam's ``nu`` (``b2 =
-0.999``: each step moves it by 0.1%, below a bfloat16 half-ulp) is unbiased
-instead of stuck.
+The codes themselves are :mod:`mpx._src.moment_codes`. Compression rounds
+stochastically: the bits come from ``seed``, the leaf's position in the inner
+state and the count of applied steps (the counter the stochastic masters
+use), so a slow average such as Adam's ``nu`` (``b2 = 0.999``: each step
+moves it by 0.1%, below a bfloat16 half-ulp) is unbiased instead of stuck.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import rounding
+from mpx._src import moment_codes, rounding
 from mpx._src import tree as tree_lib
-from mpx._src.states import COMPRESSED_MOMENTS, Bfloat16Moment
+from mpx._src.states import (
+  COMPRESSED_MOMENTS,
+  Bfloat16Moment,
+  Nonnegative8bitMoment,
+  Signed8bitMoment,
+)
 
-FORMATS = ("full", "bfloat16")
+FORMATS = ("full", "bfloat16", "8bit")
 DEFAULT_FIELDS = ("mu", "nu", "trace")
+# The fields a sequence of names takes as second moments (everything else
+# named is signed); a mapping names each field's kind.
+NONNEGATIVE_FIELDS = ("nu", "nu_max")
+SIGNS = ("signed", "nonnegative")
 # Below this many elements a leaf is not worth a code (and a block scale).
 MIN_SIZE = 4096
+# Under "8bit", a last axis shorter than this is stored in bfloat16: a block
+# per row of fewer than 16 elements costs 1.25 bytes an element or more.
+MIN_ROW_8BIT = 16
 # Moment keys are drawn apart from the masters' keys (rounding.leaf_key on
 # the param index) by salting the seed.
 _SEED_SALT = 0x5BD1E995
+_STORED_8BIT = {"signed": Signed8bitMoment, "nonnegative": Nonnegative8bitMoment}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +70,8 @@ class FullMoment:
   def decompress(self, stored: Any) -> Any:
     return stored
 
-  def compress(self, value: Any, stored: Any, step: jax.Array) -> Any:
-    del stored, step
+  def compress(self, value: Any, step: jax.Array) -> Any:
+    del step
     return value
 
 
@@ -72,22 +90,51 @@ class Bfloat16MomentKind:
     return Bfloat16Moment(like)
 
   def decompress(self, stored: Bfloat16Moment) -> jax.Array:
-    return jax.lax.convert_element_type(stored.values, jnp.float32)
+    return moment_codes.decode_bfloat16(stored.values)
 
-  def compress(self, value: jax.Array, stored: Any, step: jax.Array) -> Bfloat16Moment:
-    del stored
-    bits = rounding.random_bits(jnp.uint32(self.key), step, np.shape(value))
-    return Bfloat16Moment(rounding.stochastic_round(value, bits))
+  def compress(self, value: jax.Array, step: jax.Array) -> Bfloat16Moment:
+    key = jnp.uint32(self.key)
+    return Bfloat16Moment(moment_codes.encode_bfloat16(value, key, step, stochastic=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class EightBitMomentKind:
+  """A float32 leaf stored as one uint8 code per element and a float32 scale
+  per block along its last axis, rounded stochastically with the leaf's
+  ``key``; ``sign`` picks the code (``"signed"`` or ``"nonnegative"``)."""
+
+  key: int
+  sign: str
+
+  def stored_like(self, leaf: Any) -> Any:
+    shape = tuple(np.shape(leaf))
+    _, blocks = moment_codes.block_layout(shape)
+    codes = jax.ShapeDtypeStruct(shape, jnp.uint8)
+    scales = jax.ShapeDtypeStruct((*shape[:-1], blocks) if shape else (1,), jnp.float32)
+    return _STORED_8BIT[self.sign](codes, scales)
+
+  def decompress(self, stored: Any) -> jax.Array:
+    return moment_codes.decode(moment_codes.QuantizedMoment(*stored), self.sign)  # type: ignore[arg-type]
+
+  def compress(self, value: jax.Array, step: jax.Array) -> Any:
+    key = jnp.uint32(self.key)
+    coded = moment_codes.encode(value, self.sign, key, step, stochastic=True)  # type: ignore[arg-type]
+    return _STORED_8BIT[self.sign](*coded)
 
 
 @dataclasses.dataclass(frozen=True)
 class MomentsFormat:
-  """One ``moments=`` setting: the format, the fields it compresses and the
-  seed of its random bits."""
+  """One ``moments=`` setting: the format, the fields it compresses (each
+  with its sign, ``"signed"`` or ``"nonnegative"``) and the seed of its
+  random bits."""
 
   name: str
-  fields: tuple[str, ...]
+  fields: tuple[tuple[str, str], ...]
   seed: int
+
+  @property
+  def field_names(self) -> tuple[str, ...]:
+    return tuple(name for name, _ in self.fields)
 
   def kinds(self, inner_state: Any) -> list[Any]:
     """The moment kind of each leaf of ``inner_state`` (a state as the inner
@@ -96,30 +143,25 @@ class MomentsFormat:
     return [self._kind(index, path, leaf) for index, (path, leaf) in enumerate(flat)]
 
   def _kind(self, index: int, path: tuple[Any, ...], leaf: Any) -> Any:
-    if self.name == "full" or not self.compresses(path, leaf):
+    field = _field_of(path, self.field_names)
+    if self.name == "full" or field is None or not _compressible(leaf):
       return FULL
     key = int(rounding.leaf_key(self.seed ^ _SEED_SALT, index))
-    return Bfloat16MomentKind(key)
-
-  def compresses(self, path: tuple[Any, ...], leaf: Any) -> bool:
-    """Whether a leaf at ``path`` is a moment this format compresses."""
-    return (
-      _field_of(path, self.fields) is not None
-      and tree_lib.is_floating(leaf)
-      and tree_lib.leaf_dtype(leaf) == jnp.float32
-      and int(np.prod(np.shape(leaf))) >= MIN_SIZE
-    )
+    shape = np.shape(leaf)
+    if self.name == "bfloat16" or not shape or shape[-1] < MIN_ROW_8BIT:
+      return Bfloat16MomentKind(key)
+    return EightBitMomentKind(key, dict(self.fields)[field])
 
   def check_fields_exist(self, inner_state: Any) -> None:
     """Refuses a field named by the user that no state of the inner rule has."""
-    if self.name == "full" or self.fields == DEFAULT_FIELDS:
+    if self.name == "full" or self.field_names == DEFAULT_FIELDS:
       return
     found = {
       getattr(key, "name", None)
       for path, _ in jax.tree_util.tree_flatten_with_path(inner_state)[0]
       for key in path
     }
-    missing = [field for field in self.fields if field not in found]
+    missing = [field for field in self.field_names if field not in found]
     if missing:
       fields = sorted(name for name in found if isinstance(name, str))
       raise ValueError(
@@ -127,6 +169,14 @@ class MomentsFormat:
         f"state, whose fields are {fields}. Name fields of its state (e.g. Adan's "
         "'m', 'v', 'n'), or leave moment_fields at its default ('mu', 'nu', 'trace')."
       )
+
+
+def _compressible(leaf: Any) -> bool:
+  return (
+    tree_lib.is_floating(leaf)
+    and tree_lib.leaf_dtype(leaf) == jnp.float32
+    and int(np.prod(np.shape(leaf))) >= MIN_SIZE
+  )
 
 
 def _field_of(path: tuple[Any, ...], fields: Sequence[str]) -> str | None:
@@ -149,12 +199,29 @@ def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFor
       f"mixed_precision: moments={moments!r} compresses a float32 inner state; dtype is "
       f"{jnp.dtype(dtype)}. Use float32 masters, or moments='full'."
     )
+  return MomentsFormat(moments, _field_signs(fields), seed)
+
+
+def _field_signs(fields: Any) -> tuple[tuple[str, str], ...]:
+  """``moment_fields`` as ``(name, sign)`` pairs: a mapping names each sign;
+  in a sequence, :data:`NONNEGATIVE_FIELDS` are second moments."""
+  if isinstance(fields, Mapping):
+    pairs = tuple(fields.items())
+    bad = [(name, sign) for name, sign in pairs if not isinstance(name, str) or sign not in SIGNS]
+    if bad:
+      raise ValueError(
+        "mixed_precision: moment_fields maps each field name to 'signed' (a first "
+        "moment, e.g. {'mu': 'signed'}) or 'nonnegative' (a second moment, never "
+        f"decoded to zero, e.g. {{'nu': 'nonnegative'}}); got {bad}."
+      )
+    return pairs
   if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
     raise ValueError(
       "mixed_precision: moment_fields must be a sequence of field names, e.g. "
-      f"('mu', 'nu'), got {fields!r}."
+      "('mu', 'nu'), or a mapping of names to 'signed' or 'nonnegative', got "
+      f"{fields!r}."
     )
-  return MomentsFormat(moments, tuple(fields), seed)
+  return tuple((f, "nonnegative" if f in NONNEGATIVE_FIELDS else "signed") for f in fields)
 
 
 def flatten_stored(stored_inner: Any) -> tuple[list[Any], Any]:
@@ -171,7 +238,11 @@ def decompressed(stored_inner: Any) -> Any:
 
   def leaf(x: Any) -> Any:
     if isinstance(x, Bfloat16Moment):
-      return jax.lax.convert_element_type(jnp.asarray(x.values), jnp.float32)
+      return moment_codes.decode_bfloat16(x.values)
+    for sign, stored_type in _STORED_8BIT.items():
+      if isinstance(x, stored_type):
+        coded = moment_codes.QuantizedMoment(jnp.asarray(x.codes), jnp.asarray(x.scales))
+        return moment_codes.decode(coded, sign)  # type: ignore[arg-type]
     return x
 
   return jax.tree.map(leaf, stored_inner, is_leaf=_is_compressed)

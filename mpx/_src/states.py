@@ -97,9 +97,43 @@ class Bfloat16Moment(NamedTuple):
   values: jax.Array
 
 
+class Signed8bitMoment(NamedTuple):
+  """A float32 leaf of the inner rule's state that may take either sign (a
+  first moment: ``mu``, ``trace``) stored in 8 bits
+  (``mixed_precision(..., moments="8bit")``); :func:`mpx.inner_state` gives
+  it back in float32.
+
+  Attributes:
+    codes: uint8, the leaf's shape: a sign bit and a 7-bit magnitude level
+      relative to the element's block.
+    scales: float32, ``shape[:-1] + (n_blocks,)``: the largest magnitude of
+      each block of at most 256 elements along the last axis.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+
+
+class Nonnegative8bitMoment(NamedTuple):
+  """A non-negative float32 leaf of the inner rule's state (a second moment:
+  ``nu``) stored in 8 bits (``mixed_precision(..., moments="8bit")``): a
+  positive value never decodes to zero. :func:`mpx.inner_state` gives it
+  back in float32.
+
+  Attributes:
+    codes: uint8, the leaf's shape: one of 255 nonzero levels (or zero)
+      relative to the element's block.
+    scales: float32, ``shape[:-1] + (n_blocks,)``: the largest value of each
+      block of at most 256 elements along the last axis.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+
+
 # Every stored form of a compressed moment: a node of the inner state that
 # stands for one float32 leaf of the inner rule's state.
-COMPRESSED_MOMENTS: tuple[type, ...] = (Bfloat16Moment,)
+COMPRESSED_MOMENTS: tuple[type, ...] = (Bfloat16Moment, Signed8bitMoment, Nonnegative8bitMoment)
 
 
 class LossScaleState(NamedTuple):
