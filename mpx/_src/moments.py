@@ -104,21 +104,21 @@ class EightBitMomentKind:
   ``key``; ``sign`` picks the code (``"signed"`` or ``"nonnegative"``)."""
 
   key: int
-  sign: str
+  sign: moment_codes.Kind
 
   def stored_like(self, leaf: Any) -> Any:
     shape = tuple(np.shape(leaf))
     _, blocks = moment_codes.block_layout(shape)
-    codes = jax.ShapeDtypeStruct(shape, jnp.uint8)
-    scales = jax.ShapeDtypeStruct((*shape[:-1], blocks) if shape else (1,), jnp.float32)
+    codes: Any = jax.ShapeDtypeStruct(shape, jnp.uint8)
+    scales: Any = jax.ShapeDtypeStruct((*shape[:-1], blocks) if shape else (1,), jnp.float32)
     return _STORED_8BIT[self.sign](codes, scales)
 
   def decompress(self, stored: Any) -> jax.Array:
-    return moment_codes.decode(moment_codes.QuantizedMoment(*stored), self.sign)  # type: ignore[arg-type]
+    return moment_codes.decode(moment_codes.QuantizedMoment(*stored), self.sign)
 
   def compress(self, value: jax.Array, step: jax.Array) -> Any:
     key = jnp.uint32(self.key)
-    coded = moment_codes.encode(value, self.sign, key, step, stochastic=True)  # type: ignore[arg-type]
+    coded = moment_codes.encode(value, self.sign, key, step, stochastic=True)
     return _STORED_8BIT[self.sign](*coded)
 
 
@@ -150,7 +150,10 @@ class MomentsFormat:
     shape = np.shape(leaf)
     if self.name == "bfloat16" or not shape or shape[-1] < MIN_ROW_8BIT:
       return Bfloat16MomentKind(key)
-    return EightBitMomentKind(key, dict(self.fields)[field])
+    sign: moment_codes.Kind = (
+      "nonnegative" if dict(self.fields)[field] == "nonnegative" else "signed"
+    )
+    return EightBitMomentKind(key, sign)
 
   def check_fields_exist(self, inner_state: Any) -> None:
     """Refuses a field named by the user that no state of the inner rule has."""
@@ -233,16 +236,19 @@ def _is_compressed(x: Any) -> bool:
   return isinstance(x, COMPRESSED_MOMENTS)
 
 
+def _sign_of(stored: Signed8bitMoment | Nonnegative8bitMoment) -> moment_codes.Kind:
+  return "signed" if isinstance(stored, Signed8bitMoment) else "nonnegative"
+
+
 def decompressed(stored_inner: Any) -> Any:
   """``stored_inner`` with every compressed moment decompressed to float32."""
 
   def leaf(x: Any) -> Any:
     if isinstance(x, Bfloat16Moment):
       return moment_codes.decode_bfloat16(x.values)
-    for sign, stored_type in _STORED_8BIT.items():
-      if isinstance(x, stored_type):
-        coded = moment_codes.QuantizedMoment(jnp.asarray(x.codes), jnp.asarray(x.scales))
-        return moment_codes.decode(coded, sign)  # type: ignore[arg-type]
+    if isinstance(x, (Signed8bitMoment, Nonnegative8bitMoment)):
+      coded = moment_codes.QuantizedMoment(jnp.asarray(x.codes), jnp.asarray(x.scales))
+      return moment_codes.decode(coded, _sign_of(x))
     return x
 
   return jax.tree.map(leaf, stored_inner, is_leaf=_is_compressed)
