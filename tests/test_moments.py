@@ -43,13 +43,40 @@ def bytes_per_param(state, params):
     ("full", "bfloat16", 8),
     ("remainder", "bfloat16", 6),
     ("stochastic", "bfloat16", 4),
+    ("full", "8bit", 6),
+    ("remainder", "8bit", 4),
+    ("stochastic", "8bit", 2),
   ],
 )
 def test_adamw_state_bytes_per_parameter(masters, moments, expected):
   params = {"w": jnp.ones((1024, 1024), jnp.bfloat16)}  # one large leaf
   tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments)
   got = bytes_per_param(tx.init(params), params)
-  assert expected <= got <= expected + 0.001, got
+  # 8 bits: two float32 scales per block of 256 (mu's and nu's), 0.031 B/param.
+  slack = 0.08 if moments == "8bit" else 0.001
+  assert expected <= got <= expected + slack, got
+
+
+def test_8bit_codes_each_moment_by_its_sign():
+  params = {
+    "w": jnp.ones((64, 128), jnp.bfloat16),
+    "thin": jnp.ones((2048, 8), jnp.bfloat16),  # last axis under 16: bfloat16
+    "b": jnp.ones(16, jnp.bfloat16),
+  }
+  tx = mpx.mixed_precision(optax.amsgrad(1e-3), moments="8bit", moment_fields=("mu", "nu_max"))
+  amsgrad = tx.init(params).inner_state[0]
+  assert isinstance(amsgrad.mu["w"], mpx.Signed8bitMoment)
+  assert isinstance(amsgrad.nu_max["w"], mpx.Nonnegative8bitMoment)
+  assert amsgrad.nu["w"].dtype == jnp.float32  # not named
+  assert isinstance(amsgrad.mu["thin"], mpx.Bfloat16Moment)
+  assert amsgrad.mu["b"].dtype == jnp.float32
+  codes, scales = amsgrad.mu["w"]
+  assert (codes.shape, codes.dtype, scales.shape, scales.dtype) == (
+    (64, 128),
+    jnp.uint8,
+    (64, 1),  # one block per row of 128
+    jnp.float32,
+  )
 
 
 def test_only_moments_of_at_least_4096_elements_are_compressed():
@@ -61,11 +88,12 @@ def test_only_moments_of_at_least_4096_elements_are_compressed():
   assert adam.mu["b"].dtype == jnp.float32 and adam.count.dtype == jnp.int32
 
 
+@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
 @pytest.mark.parametrize("masters", ["full", "remainder", "stochastic"])
-def test_a_skipped_step_leaves_every_stored_byte_unchanged(masters):
+def test_a_skipped_step_leaves_every_stored_byte_unchanged(masters, moments):
   params = bf16_params()
   tx = mpx.loss_scale(
-    mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments="bfloat16"),
+    mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments),
     init_scale=1.0,
   )
   state = tx.init(params)
@@ -79,10 +107,11 @@ def test_a_skipped_step_leaves_every_stored_byte_unchanged(masters):
   assert skip_recorded(skipped.inner_state, state.inner_state)
 
 
-def test_inner_state_is_the_state_plain_optax_holds_at_any_depth_and_under_jit():
+@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+def test_inner_state_is_the_state_plain_optax_holds_at_any_depth_and_under_jit(moments):
   params = bf16_params()
   tx = mpx.loss_scale(
-    optax.chain(optax.clip(10.0), mpx.mixed_precision(optax.adam(1e-3), moments="bfloat16"))
+    optax.chain(optax.clip(10.0), mpx.mixed_precision(optax.adam(1e-3), moments=moments))
   )
   state = tx.init(params)
   inner = jax.jit(mpx.inner_state)(state)
@@ -136,10 +165,148 @@ def test_bfloat16_moments_track_float32_optax_without_drift():
   assert np.all(np.asarray(got.nu["w"]) > 0)
 
 
-def test_adjust_changes_the_rate_without_recompiling():
+def test_8bit_moments_stay_within_a_per_block_bound_of_float32_optax_without_drift():
+  """The same gradient stream into optax.adam (float32 params, no masters)
+  and into its 8-bit-moment form, checked after 500, 1000, 1500 and 2000
+  steps. Each row of 256 is one block, and rows' gradient scales are 1000x
+  apart. Stochastic rounding keeps each block's nu unbiased; its noise
+  settles instead of accumulating (a slow average forgets it)."""
+  shape = (64, 256)
+  params = {"w": jnp.zeros(shape, jnp.float32)}
+  scales = jnp.logspace(-3, 0, shape[0])[:, None]
+  plain, compressed = optax.adam(1e-3), mpx.mixed_precision(optax.adam(1e-3), moments="8bit")
+
+  @jax.jit
+  def run(key):
+    def body(carry, key):
+      s_plain, s_comp = carry
+      g = {"w": scales * jax.random.normal(key, shape)}
+      _, s_plain = plain.update(g, s_plain, params)
+      _, s_comp = compressed.update(g, s_comp, params)
+      return (s_plain, s_comp), None
+
+    carry, checkpoints = (plain.init(params), compressed.init(params)), []
+    for chunk in jax.random.split(key, 4):
+      carry, _ = jax.lax.scan(body, carry, jax.random.split(chunk, 500))
+      checkpoints.append((carry[0][0], mpx.inner_state(carry[1])[0]))
+    return checkpoints
+
+  row_errors = []
+  for want, got in run(jax.random.key(0)):
+    assert isinstance(got.nu["w"], jax.Array)
+    nu_ratio = np.asarray(got.nu["w"]) / np.asarray(want.nu["w"])
+    rms = np.sqrt(np.asarray(want.nu["w"]))
+    mu_err = np.abs(np.asarray(got.mu["w"]) - np.asarray(want.mu["w"])) / rms
+    # Per block: nu unbiased (its mean ratio within 2% of 1), its mean
+    # relative error under 8%; mu's error under 20% of the gradient's RMS
+    # everywhere and 2% on a block's average.
+    np.testing.assert_allclose(nu_ratio.mean(axis=1), 1.0, atol=0.02)
+    row_errors.append(np.abs(nu_ratio - 1).mean(axis=1))
+    assert row_errors[-1].max() < 0.08
+    assert mu_err.max() < 0.2 and mu_err.mean(axis=1).max() < 0.02
+    assert np.all(np.asarray(got.nu["w"]) > 0)
+  # No drift: the error at 2000 steps is the error at 1000, give or take.
+  assert row_errors[-1].mean() < 1.25 * row_errors[1].mean()
+
+
+def test_8bit_second_moments_never_decode_to_zero_where_float32s_are_positive():
+  """Each block holds gradients from 1e-8 to 1e2: nu spans 20 decades, far
+  below the code's smallest level for the small elements (the 4-bit paper's
+  zero-point failure would make Adam divide by eps alone there)."""
+  shape = (16, 256)
+  params = {"w": jnp.zeros(shape, jnp.float32)}
+  magnitudes = jnp.logspace(-8, 2, shape[1])[None, :]
+  plain, compressed = optax.adam(1e-3), mpx.mixed_precision(optax.adam(1e-3), moments="8bit")
+
+  @jax.jit
+  def run(key):
+    def body(carry, key):
+      s_plain, s_comp = carry
+      g = {"w": magnitudes * jax.random.normal(key, shape)}
+      _, s_plain = plain.update(g, s_plain, params)
+      u_comp, s_comp = compressed.update(g, s_comp, params)
+      nus = (s_plain[0].nu["w"], mpx.inner_state(s_comp)[0].nu["w"])
+      return (s_plain, s_comp), (u_comp["w"], *nus)
+
+    carry = (plain.init(params), compressed.init(params))
+    return jax.lax.scan(body, carry, jax.random.split(key, 300))[1]
+
+  updates, want_nu, got_nu = map(np.asarray, run(jax.random.key(0)))
+  assert np.all(want_nu > 0)
+  assert np.all(got_nu > 0)
+  # Adam's step stays about the learning rate: nowhere a division by eps.
+  assert np.all(np.isfinite(updates)) and np.abs(updates).max() < 2e-3
+
+
+def test_8bit_state_is_sharded_with_its_leaf_and_adds_no_collective():
+  """zero1_shardings splits codes and scales alike, on block boundaries; the
+  step with 8-bit moments compiles with the collectives of the step with
+  full moments, and trains as the unsharded step does."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  n = mesh.size
+  replicated = NamedSharding(mesh, P())
+  params = {
+    "rows": jnp.ones((64, 256), jnp.bfloat16),  # rows split: one block each
+    "cols": jnp.ones((3, 4096), jnp.bfloat16),  # 16 blocks of 256, split 8 ways
+    "ragged": jnp.ones((3, 4097), jnp.bfloat16),  # 17 blocks, the last short
+  }
+  params = jax.device_put(params, replicated)
+  grads = grads_like(params, 1)
+
+  def compiled(moments):
+    tx = mpx.mixed_precision(optax.adamw(1e-2), moments=moments)
+    shardings = mpx.zero1_shardings(tx, params, mesh)
+    state = jax.jit(tx.init, out_shardings=shardings)(params)
+    step = jax.jit(
+      lambda p, s, g: tx.update(g, s, p),
+      in_shardings=(replicated, shardings, replicated),
+      out_shardings=(replicated, shardings),
+    )
+    return tx, state, step
+
+  _, state, step = compiled("8bit")
+  mu = state.inner_state[0].mu
+  if n > 1:
+    shards = {k: (mu[k].codes.sharding.spec, mu[k].scales.sharding.spec) for k in mu}
+    assert shards == {
+      "rows": (P("data"), P("data")),
+      "cols": (P(None, "data"), P(None, "data")),
+      "ragged": (P(), P()),  # a split would cut a block: replicated
+    }
+    cols = mu["cols"]
+    assert cols.codes.addressable_shards[0].data.shape == (3, 4096 // n)
+    assert cols.scales.addressable_shards[0].data.shape == (3, 16 // n)
+
+  def collectives(step, state):
+    hlo = step.lower(params, state, grads).compile().as_text()
+    ops = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+    return {op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(") for op in ops}
+
+  _, full_state, full_step = compiled("full")
+  expected = collectives(full_step, full_state)
+  assert sum(expected.values()) > (0 if n > 1 else -1)  # the params' all-gathers
+  assert collectives(step, state) == expected
+
+  # Sharded or not, the step computes the same bits.
+  updates, new_state = step(params, state, grads)
+  tx = mpx.mixed_precision(optax.adamw(1e-2), moments="8bit")
+  with jax.default_device(jax.devices()[0]):
+    local = jax.tree.map(np.asarray, (params, grads))
+    want_updates, want_state = jax.jit(lambda p, s, g: tx.update(g, s, p))(
+      local[0], tx.init(local[0]), local[1]
+    )
+  assert tree_equal(jax.device_get(updates), jax.device_get(want_updates))
+  assert tree_equal(jax.device_get(new_state), jax.device_get(want_state))
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+def test_adjust_changes_the_rate_without_recompiling(moments):
   params = bf16_params()
   tx = mpx.mixed_precision(
-    optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), moments="bfloat16"
+    optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), moments=moments
   )
   state = tx.init(params)
   step = jax.jit(tx.update)
@@ -168,3 +335,63 @@ def test_named_fields_compress_other_rules_moments():
   adan = state.inner_state[0]
   assert all(isinstance(getattr(adan, f)["w"], mpx.Bfloat16Moment) for f in ("m", "v", "n"))
   assert adan.g["w"].dtype == jnp.float32  # not named: kept
+
+
+def test_a_mapping_names_each_fields_sign():
+  tx = mpx.mixed_precision(
+    optax.adan(1e-3),
+    moments="8bit",
+    moment_fields={"m": "signed", "v": "signed", "n": "nonnegative"},
+  )
+  adan = tx.init(bf16_params()).inner_state[0]
+  assert isinstance(adan.m["w"], mpx.Signed8bitMoment)
+  assert isinstance(adan.v["w"], mpx.Signed8bitMoment)  # gradient differences: any sign
+  assert isinstance(adan.n["w"], mpx.Nonnegative8bitMoment)
+  with pytest.raises(ValueError, match=r"'signed'.*'nonnegative'.*\('nu', 'positive'\)"):
+    mpx.mixed_precision(optax.adam(1e-3), moments="8bit", moment_fields={"nu": "positive"})
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+def test_under_multisteps_a_skipped_micro_step_writes_no_stored_byte(moments):
+  """MultiSteps puts loss_scale on its general path (the verdict read after
+  the inner update, the state rolled back leaf by leaf): codes and scales
+  roll back like any other leaf."""
+  params = bf16_params()
+  tx = optax.MultiSteps(
+    mpx.loss_scale(mpx.mixed_precision(optax.adamw(1e-3), moments=moments), init_scale=1.0),
+    every_k_schedule=1,
+  )
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  _, state = step(grads_like(params, 1), state, params)
+  poisoned = grads_like(params, 2)
+  poisoned["b"] = poisoned["b"].at[0].set(jnp.inf)
+  _, skipped = step(poisoned, state, params)
+  mp_before, mp_after = (mpx.inner_state(s) for s in (state, skipped))
+  assert tree_equal(mp_after, mp_before)
+  stored = [s.inner_opt_state.inner_state.inner_state for s in (state, skipped)]
+  assert tree_equal(stored[1], stored[0])
+
+
+@pytest.mark.parametrize("masters", ["full", "remainder"])  # stochastic keeps no master
+def test_8bit_moments_start_from_full_precision_params(masters):
+  full = {"w": jax.random.normal(jax.random.key(0), BIG)}
+  tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments="8bit")
+  params, state = mpx.init_from_full_precision(tx, full, jnp.bfloat16)
+  assert isinstance(state.inner_state[0].nu["w"], mpx.Nonnegative8bitMoment)
+  assert tree_equal(mpx.master_params(state, params), full)
+  updates, state = jax.jit(tx.update)(grads_like(params, 1), state, params)
+  assert int(state.applied_steps) == 1
+  assert all(np.all(np.isfinite(np.asarray(u, np.float32))) for u in jax.tree.leaves(updates))
+
+
+def test_sync_masters_keeps_the_compressed_moments():
+  params = bf16_params()
+  tx = mpx.mixed_precision(optax.adamw(1e-3), masters="remainder", moments="8bit")
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(grads_like(params, 1), state, params)
+  params = optax.apply_updates(params, updates)
+  edited = {**params, "w": jnp.maximum(params["w"], 0)}  # a projection
+  synced = jax.jit(mpx.sync_masters)(state, edited)
+  assert tree_equal(synced.inner_state, state.inner_state)
+  assert tree_equal(mpx.master_params(synced, edited)["w"] >= 0, jnp.ones(BIG, bool))

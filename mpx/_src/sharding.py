@@ -29,8 +29,9 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mpx._src import moment_codes
 from mpx._src import tree as tree_lib
-from mpx._src.states import COMPRESSED_MOMENTS
+from mpx._src.states import COMPRESSED_MOMENTS, Nonnegative8bitMoment, Signed8bitMoment
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -179,12 +180,31 @@ def zero1_shardings(
   replicated = NamedSharding(mesh, PartitionSpec())
   abstract_state = jax.eval_shape(tx.init, params)
 
+  def compressed_spec(parts: Any, param: Any) -> NamedSharding:
+    # Codes and block scales alike get one spec, chosen as if the leaf's last
+    # axis were its blocks: a split of it then falls on block boundaries, so
+    # a step needs no collective. A last block cut short never splits.
+    shape = tuple(parts[0].shape)
+    if not shape:
+      return replicated
+    fit_shape = shape
+    if isinstance(parts, (Signed8bitMoment, Nonnegative8bitMoment)):
+      size, blocks = moment_codes.block_layout(shape)
+      fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
+    entries = _param_spec(param, mesh, len(shape))
+    if axis is None:
+      return NamedSharding(mesh, _canonical(entries, mesh))
+    return NamedSharding(mesh, _add_axis(fit_shape, entries, mesh, axis))
+
   def shard_like_param(leaf: Any, param: Any) -> Any:
     if tree_lib.is_placeholder(leaf):
       return leaf
-    if isinstance(leaf, COMPRESSED_MOMENTS):  # each stored part sharded with its leaf
+    if isinstance(leaf, COMPRESSED_MOMENTS):
+      # Every part (codes and block scales alike) gets one spec, chosen as if
+      # the leaf's last axis were its blocks: a split of the last axis then
+      # falls on block boundaries, so no block straddles two devices.
       parts: Any = leaf
-      return type(leaf)(*(shard_like_param(part, param) for part in parts))
+      return type(leaf)(*(compressed_spec(parts, param) for _ in parts))
     shape = tuple(getattr(leaf, "shape", ()))
     if not shape:
       return replicated
