@@ -48,6 +48,9 @@ DEFAULT_FIELDS = ("mu", "nu", "trace")
 # The fields a sequence of names takes as second moments (everything else
 # named is signed); a mapping names each field's kind.
 NONNEGATIVE_FIELDS = ("nu", "nu_max")
+# optax states whose fields break that naming rule: SM3 keeps its
+# accumulators of squares in ``mu`` and its momentum in ``nu``.
+KNOWN_SIGNS = {("ScaleBySM3State", "mu"): "nonnegative", ("ScaleBySM3State", "nu"): "signed"}
 SIGNS = ("signed", "nonnegative")
 # Below this many elements a leaf is not worth a code (and a block scale).
 MIN_SIZE = 4096
@@ -131,6 +134,9 @@ class MomentsFormat:
   name: str
   fields: tuple[tuple[str, str], ...]
   seed: int
+  # Whether the user named each field's sign (a mapping): then it overrides
+  # the signs mpx knows of optax's states.
+  signs_named: bool = False
 
   @property
   def field_names(self) -> tuple[str, ...]:
@@ -139,21 +145,27 @@ class MomentsFormat:
   def kinds(self, inner_state: Any) -> list[Any]:
     """The moment kind of each leaf of ``inner_state`` (a state as the inner
     rule makes it, or its abstract shapes), in flattening order."""
-    flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
-    return [self._kind(index, path, leaf) for index, (path, leaf) in enumerate(flat)]
+    if self.name == "full":
+      return [FULL] * len(jax.tree.leaves(inner_state))
+    owners = _owners(inner_state, self.field_names)
+    leaves = jax.tree.leaves(inner_state)
+    return [
+      self._kind(index, owner, leaf)
+      for index, (owner, leaf) in enumerate(zip(owners, leaves, strict=True))
+    ]
 
-  def _kind(self, index: int, path: tuple[Any, ...], leaf: Any) -> Any:
-    field = _field_of(path, self.field_names)
-    if self.name == "full" or field is None or not _compressible(leaf):
+  def _kind(self, index: int, owner: tuple[str, str] | None, leaf: Any) -> Any:
+    if owner is None or not _compressible(leaf):
       return FULL
     key = int(rounding.leaf_key(self.seed ^ _SEED_SALT, index))
     shape = np.shape(leaf)
     if self.name == "bfloat16" or not shape or shape[-1] < MIN_ROW_8BIT:
       return Bfloat16MomentKind(key)
-    sign: moment_codes.Kind = (
-      "nonnegative" if dict(self.fields)[field] == "nonnegative" else "signed"
-    )
-    return EightBitMomentKind(key, sign)
+    state_name, field = owner
+    sign = dict(self.fields)[field]
+    if not self.signs_named:
+      sign = KNOWN_SIGNS.get((state_name, field), sign)
+    return EightBitMomentKind(key, "nonnegative" if sign == "nonnegative" else "signed")
 
   def check_fields_exist(self, inner_state: Any) -> None:
     """Refuses a field named by the user that no state of the inner rule has."""
@@ -182,13 +194,25 @@ def _compressible(leaf: Any) -> bool:
   )
 
 
-def _field_of(path: tuple[Any, ...], fields: Sequence[str]) -> str | None:
-  """The innermost NamedTuple field along ``path`` that is one of ``fields``."""
-  for key in reversed(path):
-    name = getattr(key, "name", None)
-    if isinstance(key, jax.tree_util.GetAttrKey) and name in fields:
-      return name
-  return None
+def _owners(tree: Any, fields: Sequence[str]) -> list[tuple[str, str] | None]:
+  """Per leaf of ``tree``, in flattening order: ``(state class name, field)``
+  of the innermost NamedTuple field along its path that is one of
+  ``fields``, or None."""
+  out: list[tuple[str, str] | None] = []
+
+  def walk(node: Any, owner: tuple[str, str] | None) -> None:
+    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+    if len(children) == 1 and children[0][1] is node:  # a leaf
+      out.append(owner)
+      return
+    for path, child in children:
+      key, inner = path[0], owner
+      if isinstance(key, jax.tree_util.GetAttrKey) and key.name in fields:
+        inner = (type(node).__name__, key.name)
+      walk(child, inner)
+
+  walk(tree, None)
+  return out
 
 
 def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFormat:
@@ -202,7 +226,7 @@ def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFor
       f"mixed_precision: moments={moments!r} compresses a float32 inner state; dtype is "
       f"{jnp.dtype(dtype)}. Use float32 masters, or moments='full'."
     )
-  return MomentsFormat(moments, _field_signs(fields), seed)
+  return MomentsFormat(moments, _field_signs(fields), seed, isinstance(fields, Mapping))
 
 
 def _field_signs(fields: Any) -> tuple[tuple[str, str], ...]:

@@ -1,0 +1,109 @@
+"""Every optimizer of the optax zoo with 8-bit moments: which of its state's
+leaves are compressed, in which code, and that each stays near the moment
+plain float32 optax keeps, fed the same gradients.
+
+A moment coded with the wrong sign's code is caught here: the non-negative
+code stores a negative value as zero (SM3 keeps its momentum in ``nu``; its
+error would be about 1, not a few per cent). The cases are
+``tests/optax_zoo.py``'s, on one (64, 128) bf16 leaf (8192 elements: large
+enough to compress); those that need extra arguments, per-example gradients
+or lookahead params are covered by the bitwise zoo with full moments.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax_zoo as zoo
+import pytest
+
+import mpx
+from mpx._src.states import COMPRESSED_MOMENTS
+
+SHAPE = (64, 128)
+STEPS = 30
+# Which leaves each rule's state compresses by default, and in which code.
+S, N = "Signed8bitMoment", "Nonnegative8bitMoment"
+ADAM = {"[0].mu['w']": S, "[0].nu['w']": N}
+EXPECTED = {
+  "optax.adabelief": ADAM,
+  "optax.adam": ADAM,
+  "optax.adamax": ADAM,
+  "optax.adamaxw": ADAM,
+  "optax.adamw": ADAM,
+  "optax.amsgrad": ADAM,
+  "optax.contrib.acprop": ADAM,
+  "optax.contrib.ademamix": {"[0].nu['w']": N},
+  "optax.contrib.adopt": ADAM,
+  "optax.contrib.mechanize": {
+    ".base_optimizer_state[0].mu['w']": S,
+    ".base_optimizer_state[0].nu['w']": N,
+  },
+  "optax.contrib.muon": {".inner_states['muon'].inner_state[0].mu['w']": S},
+  "optax.contrib.schedule_free_adamw": {".base_optimizer_state[0].nu['w']": N},
+  "optax.lamb": ADAM,
+  "optax.lars": {"[3].trace['w']": S},
+  "optax.lion": {"[0].mu['w']": S},
+  "optax.nadam": ADAM,
+  "optax.nadamw": ADAM,
+  "optax.novograd": {"[0].mu['w']": S},  # its nu is one norm per leaf
+  "optax.optimistic_adam": ADAM,
+  "optax.optimistic_adam_v2": ADAM,
+  "optax.radam": ADAM,
+  "optax.rmsprop": {"[0].mu['w']": S, "[0].nu['w']": N, "[2].trace['w']": S},
+  "optax.sgd": {"[0].trace['w']": S},
+  "optax.sm3": {"[0].nu['w']": S},  # momentum, named nu; its mu is per axis
+  "optax.yogi": ADAM,
+}
+CASES = sorted(
+  name
+  for name, case in zoo.CASES.items()
+  if not (case.lookahead or case.per_example or case.extra_args)
+  and name != "optax.selective_transform"  # its mask names the zoo's own leaves
+)
+QUICK = {"optax.adamw", "optax.lion", "optax.rmsprop", "optax.sm3", "optax.contrib.muon"}
+
+
+def run(name, moments):
+  tx = mpx.mixed_precision(zoo.CASES[name].build(zoo._plain), moments=moments)
+  params = {"w": jax.random.normal(jax.random.key(0), SHAPE).astype(jnp.bfloat16)}
+  row_scales = jnp.logspace(-2, 0, SHAPE[0])[:, None]
+
+  @jax.jit
+  def train(params):
+    def body(carry, key):
+      params, state = carry
+      grads = {"w": (row_scales * jax.random.normal(key, SHAPE)).astype(jnp.bfloat16)}
+      updates, state = tx.update(grads, state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    carry = (params, tx.init(params))
+    return jax.lax.scan(body, carry, jax.random.split(jax.random.key(1), STEPS))[0][1]
+
+  return train(params)
+
+
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CASES]
+)
+def test_8bit_moments_of_every_zoo_rule(name):
+  full, compressed = run(name, "full"), run(name, "8bit")
+  stored = jax.tree_util.tree_flatten_with_path(
+    compressed.inner_state, is_leaf=lambda x: isinstance(x, COMPRESSED_MOMENTS)
+  )[0]
+  kinds = {
+    jax.tree_util.keystr(path): type(node).__name__
+    for path, node in stored
+    if isinstance(node, COMPRESSED_MOMENTS)
+  }
+  assert kinds == EXPECTED.get(name, {})
+  # The moments a compressed run keeps are the full run's, give or take the
+  # codes' error (both runs' gradients ignore the params, so they see the
+  # same stream): at most 15% relative per block (row of 128) after 30 steps.
+  want = dict(jax.tree_util.tree_leaves_with_path(mpx.inner_state(full)))
+  got = dict(jax.tree_util.tree_leaves_with_path(mpx.inner_state(compressed)))
+  for path in kinds:
+    (key,) = [k for k in want if jax.tree_util.keystr(k) == path]
+    w, g = np.asarray(want[key]), np.asarray(got[key])
+    error = np.linalg.norm(g - w, axis=-1) / np.linalg.norm(w, axis=-1)
+    assert error.max() < 0.15, (path, error.max())
