@@ -15,6 +15,14 @@ of consecutive poisoned steps. Each run asserts that
    *reference run that never took the poisoned steps*, and the inner state's
    step counters (Adam's and the schedule's) count clean steps only.
 
+With compressed moments (``moments="8bit"`` or ``"bfloat16"``, on the MLP
+widened so that one kernel's moments are compressed) points 1 and 4 cover the
+inner state twice: as stored (codes, block scales, bfloat16 values) and
+decompressed by ``mpx.inner_state``; and the run asserts that the stored
+moments really are compressed. The compression rounds stochastically with
+bits keyed on the count of applied steps, so the reference, which applies the
+same clean steps, draws the same bits: point 4 holds bitwise there too.
+
 What the reference is. The reference run is the same compiled function, with
 the same transformation and the same initial params, fed only the clean steps'
 batches, in order (padded at the end with extra batches whose results are not
@@ -41,6 +49,8 @@ compilation plus well under a second of training per run; ``MPX_LONG=1`` runs
 3000 steps on five seeds.
 """
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,28 +65,45 @@ STEPS = 3000 if tl.LONG else 400
 SEEDS = range(5) if tl.LONG else range(2)
 RATE, BURST = 0.03, 12  # 3% of steps poisoned at random, plus a burst of 12
 
+
+class Case(NamedTuple):
+  """One configuration of the poisoned runs."""
+
+  stack: str
+  dtype: Any
+  config: tl.ScaleConfig = tl.ScaleConfig()
+  masters: str = "full"
+  moments: str = "full"
+  hidden: int = tl.HIDDEN
+
+
 CONFIGS = {
-  "fp16-loss_scale": ("loss_scale", jnp.float16, tl.ScaleConfig(), "full"),
-  "fp16-static_loss_scale": ("static_loss_scale", jnp.float16, tl.ScaleConfig(), "full"),
-  "bf16-mixed_precision": ("mixed_precision", jnp.bfloat16, tl.ScaleConfig(), "full"),
+  "fp16-loss_scale": Case("loss_scale", jnp.float16),
+  "fp16-static_loss_scale": Case("static_loss_scale", jnp.float16),
+  "bf16-mixed_precision": Case("mixed_precision", jnp.bfloat16),
   # Hysteresis 2: the scale backs off on the second overflow in a row only.
-  "bf16-loss_scale-hysteresis": ("loss_scale", jnp.bfloat16, tl.ScaleConfig(hysteresis=2), "full"),
+  "bf16-loss_scale-hysteresis": Case("loss_scale", jnp.bfloat16, tl.ScaleConfig(hysteresis=2)),
   # The compact storage modes, alone and under a dynamic scale.
-  "bf16-mixed_precision-remainder": (
-    "mixed_precision",
-    jnp.bfloat16,
-    tl.ScaleConfig(),
-    "remainder",
+  "bf16-mixed_precision-remainder": Case("mixed_precision", jnp.bfloat16, masters="remainder"),
+  "bf16-loss_scale-remainder": Case("loss_scale", jnp.bfloat16, masters="remainder"),
+  "bf16-mixed_precision-stochastic": Case("mixed_precision", jnp.bfloat16, masters="stochastic"),
+  "bf16-loss_scale-stochastic": Case("loss_scale", jnp.bfloat16, masters="stochastic"),
+  # Compressed moments, on the model wide enough to have a compressed leaf.
+  "bf16-loss_scale-remainder-8bit": Case(
+    "loss_scale", jnp.bfloat16, masters="remainder", moments="8bit", hidden=tl.WIDE
   ),
-  "bf16-loss_scale-remainder": ("loss_scale", jnp.bfloat16, tl.ScaleConfig(), "remainder"),
-  "bf16-mixed_precision-stochastic": (
-    "mixed_precision",
-    jnp.bfloat16,
-    tl.ScaleConfig(),
-    "stochastic",
+  "bf16-mixed_precision-stochastic-8bit": Case(
+    "mixed_precision", jnp.bfloat16, masters="stochastic", moments="8bit", hidden=tl.WIDE
   ),
-  "bf16-loss_scale-stochastic": ("loss_scale", jnp.bfloat16, tl.ScaleConfig(), "stochastic"),
+  "fp16-loss_scale-bfloat16": Case("loss_scale", jnp.float16, moments="bfloat16", hidden=tl.WIDE),
 }
+# Behind the slow marker: the compressed configurations after the first (each
+# compiles the wide model with its compressing step, about 10 s on 2 cores).
+SLOW_CONFIGS = {"bf16-mixed_precision-stochastic-8bit", "fp16-loss_scale-bfloat16"}
+
+
+# What a run records of the training state, checked for finiteness and bitwise.
+PARTS = ("params", "masters", "inner", "inner_decompressed")
 
 
 def rows(records, index):
@@ -107,11 +134,14 @@ def reference_plan(plan, injected, scales_before, pin, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_CONFIGS else []) for n in CONFIGS],
+)
 def test_poisoned_steps_are_skipped_as_if_never_taken(name, seed, finite_check_form):
-  stack, dtype, config, masters = CONFIGS[name]
-  _, run = tl.compiled_run(stack, config, masters)
-  params = tl.init_params(seed, dtype)
+  stack, dtype, config, masters, moments, hidden = CONFIGS[name]
+  _, run = tl.compiled_run(stack, config, masters, moments)
+  params = tl.init_params(seed, dtype, hidden)
   plan = tl.random_plan(seed, STEPS, RATE, BURST)
   injected = plan["kind"] != tl.NONE
   # Every kind of injection, every poison, and every leaf occur.
@@ -121,8 +151,17 @@ def test_poisoned_steps_are_skipped_as_if_never_taken(name, seed, finite_check_f
   assert set(plan["leaf"][into_a_leaf]) == set(range(len(tl.LEAF_NAMES)))
   poisoned = jax.device_get(run(params, plan))
 
-  # 1. Nothing non-finite ever enters params, masters or inner state.
-  for part in ("params", "masters", "inner"):
+  # The moments are stored as the format says (not silently full), and the
+  # decompressed view holds float32 where the stored one holds codes.
+  assert tl.compressed_nodes(poisoned["inner"]) == tl.COMPRESSED[moments]
+  assert tl.compressed_nodes(poisoned["inner_decompressed"]) == {}
+  if moments != "full":
+    adam = poisoned["inner_decompressed"][1][0]  # chain(clip, adamw): scale_by_adam's
+    assert adam.mu["dense"]["kernel"].dtype == adam.nu["dense"]["kernel"].dtype == np.float32
+
+  # 1. Nothing non-finite ever enters params, masters or inner state (stored,
+  # and decompressed: a finite code with a non-finite block scale would show).
+  for part in PARTS:
     assert tl.all_finite_np(poisoned[part]), part
 
   # 2. and 3. The counters and the scale, at every step.
@@ -140,7 +179,7 @@ def test_poisoned_steps_are_skipped_as_if_never_taken(name, seed, finite_check_f
     run(params, reference_plan(plan, injected, scales[:-1], stack == "loss_scale", seed))
   )
   clean_so_far = np.r_[0, np.cumsum(~injected)]
-  for part in ("params", "masters", "inner"):
+  for part in PARTS:
     assert tree_equal(poisoned[part], rows(reference[part], clean_so_far)), part
   counters = [x for x in jax.tree.leaves(poisoned["inner"]) if x.dtype == np.int32]
   assert len(counters) == 2  # Adam's count and the schedule's
@@ -185,7 +224,7 @@ def test_training_recovers_from_an_overflow_storm(finite_check_form):
   )
   assert storm > 10 * backoffs  # hundreds of overflows at the floor
   assert int(out["skipped"][end]) == storm and int(out["skipped"][-1]) == storm
-  for part in ("params", "masters", "inner"):
+  for part in PARTS:
     during = rows(out[part], np.arange(start, end + 1))
     assert tree_equal(during, rows(out[part], np.full(storm + 1, start))), part
     assert tl.all_finite_np(out[part]), part

@@ -18,6 +18,15 @@ into the abstract tree of ``tx.init`` (``jax.eval_shape``), and trains to the
 end. Every restored value must equal the saved one (dtype included), and every
 step after it must be bitwise the uninterrupted run's.
 
+The same runs in every storage mode of ``tl.RESUME_MODES``: full masters
+(fp16), remainder and stochastic masters (bf16), and, on the MLP widened so
+that a kernel's moments are compressed, remainder masters with 8-bit moments
+and stochastic masters with bfloat16 moments. There the restored state must
+hold the moments as saved: ``Signed8bitMoment`` and ``Nonnegative8bitMoment``
+(uint8 codes, float32 block scales) or ``Bfloat16Moment``, bitwise; and the
+compression's random bits, keyed on the restored count of applied steps,
+continue the uninterrupted run's.
+
 jmp's floor is lost by a ``jit`` or a ``tree_map`` because it is neither a leaf
 nor metadata. In mpx every setting lives in the transformation and every
 counter in the state, so nothing is lost: the uninterrupted run follows an
@@ -84,11 +93,11 @@ def checkpoint_steps(states, injected):
   return sorted(set(situations.values()) | every_tenth)
 
 
-@pytest.mark.parametrize("masters", list(tl.RESUME_DTYPES))
-def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path, masters):
-  params = tl.init_params(tl.RESUME_SEED, tl.RESUME_DTYPES[masters])
-  state = tl.resume_tx(masters).init(params)
-  trajectory = [(params, state), *tl.resume_train(params, state, 0, tl.RESUME_STEPS, masters)]
+@pytest.mark.parametrize("mode", list(tl.RESUME_MODES))
+def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path, mode):
+  params = tl.resume_params(mode)
+  state = tl.resume_tx(mode).init(params)
+  trajectory = [(params, state), *tl.resume_train(params, state, 0, tl.RESUME_STEPS, mode)]
   injected = tl.resume_plan()["kind"] != tl.NONE
   states = [s for _, s in trajectory]
 
@@ -100,6 +109,9 @@ def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path, masters
   assert all(tl.all_finite_np(p) for p, _ in trajectory)
   lr = [float(optax.tree.get(s, "learning_rate")) for s in states]
   assert lr[tl.ADJUST_STEP] == np.float32(3e-2) and lr[-1] == np.float32(tl.ADJUSTED_LR)
+  # The moments are stored compressed (in the modes that say so), not full.
+  moments = tl.RESUME_MODES[mode].moments
+  assert tl.compressed_nodes(state.inner_state.inner_state) == tl.COMPRESSED[moments]
 
   steps = checkpoint_steps(states, injected)
   checkpointer = ocp.StandardCheckpointer()
@@ -109,7 +121,7 @@ def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path, masters
   checkpointer.wait_until_finished()
 
   out = tmp_path / "resumed.pkl"
-  command = [sys.executable, str(HERE / "training_loop.py"), "resume", masters]
+  command = [sys.executable, str(HERE / "training_loop.py"), "resume", mode]
   command += [str(tmp_path), str(out)]
   result = subprocess.run(
     [*command, *map(str, steps)],
@@ -131,6 +143,10 @@ def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path, masters
     assert tree_equal(restored, {"params": params, "opt_state": state}), k
     assert isinstance(restored["opt_state"], mpx.LossScaleState)
     assert type(restored["opt_state"].inner_state) is type(state.inner_state)  # the mode's state
+    # Compressed moments come back as their NamedTuples, codes and scales
+    # (uint8 and float32) or bfloat16 values, bitwise (tree_equal above).
+    stored = restored["opt_state"].inner_state.inner_state
+    assert tl.compressed_nodes(stored) == tl.COMPRESSED[moments], k
     assert restored["opt_state"].last_step_finite.dtype == np.bool_
     # And the fresh process continues exactly as the uninterrupted run.
     assert len(resumed[k]["trajectory"]) == tl.RESUME_STEPS - k

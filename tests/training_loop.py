@@ -8,6 +8,13 @@ is updated in place with no master, as a layer norm would be. The rule inside
 schedule, so the inner state holds moments and two step counters (Adam's and
 the schedule's) that a skipped step must not advance.
 
+No leaf of that model reaches the 4096 elements from which ``mixed_precision
+(..., moments=...)`` compresses a moment, so the runs with compressed moments
+use the same MLP :data:`WIDE` units wide: its ``dense/kernel`` (8 x 512) is
+the one compressed leaf, its ``mu`` and ``nu`` stored as
+``Signed8bitMoment`` and ``Nonnegative8bitMoment`` under ``"8bit"`` and as
+``Bfloat16Moment`` under ``"bfloat16"`` (see :data:`COMPRESSED`).
+
 A *plan* says, for every step, whether and how to poison it:
 
 - ``SINGLE``: one element of one gradient leaf becomes inf, -inf or NaN;
@@ -22,10 +29,11 @@ input like the plan, so a reference run can be fed exactly the batches of the
 clean steps, in order. A step can also *pin* the
 loss scale to a given value before it runs (see ``test_fault_injection``).
 
-``python tests/training_loop.py resume CKPT_ROOT OUT_FILE K...`` is the fresh
-process of ``test_resume``: it restores each checkpoint ``CKPT_ROOT/step_K``
-(the state before step K), trains from step K to the end and pickles the
-restored states and the trajectories.
+``python tests/training_loop.py resume MODE CKPT_ROOT OUT_FILE K...`` is the
+fresh process of ``test_resume``: for the resume mode ``MODE`` (a key of
+:data:`RESUME_MODES`) it restores each checkpoint ``CKPT_ROOT/step_K`` (the
+state before step K), trains from step K to the end and pickles the restored
+states and the trajectories.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import functools
 import os
 import pickle
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,21 +58,30 @@ NONE, SINGLE, LEAF, LOSS = 0, 1, 2, 3
 POISONS = np.array([np.inf, -np.inf, np.nan], np.float32)
 
 IN, HIDDEN, BATCH = 8, 16, 32
+# The width of the model with compressed moments: dense/kernel is IN x WIDE =
+# 4096 elements (moments.MIN_SIZE) with a last axis of 512 (>= 16: 8-bit codes).
+WIDE = 512
 TEACHER = np.linspace(-0.6, 0.6, IN, dtype=np.float32)
 
 # Gradient leaves in flattening order (jax sorts dict keys).
 LEAF_NAMES = ("dense/bias", "dense/kernel", "norm/scale", "out/kernel")
 
 
-def init_params(seed: int, dtype) -> dict:
+def init_params(seed: int, dtype, hidden: int = HIDDEN) -> dict:
+  """The MLP's params, ``hidden`` units wide.
+
+  The output kernel's scale shrinks as ``1 / sqrt(hidden)`` so that a wide
+  model starts from about the same loss (at ``HIDDEN`` the factor is exactly
+  1: the default params are bitwise what they always were)."""
   k1, k2 = jax.random.split(jax.random.key(seed))
+  out_std = 0.3 * (HIDDEN / hidden) ** 0.5
   return {
     "dense": {
-      "kernel": (0.5 * jax.random.normal(k1, (IN, HIDDEN))).astype(dtype),
-      "bias": jnp.zeros(HIDDEN, dtype),
+      "kernel": (0.5 * jax.random.normal(k1, (IN, hidden))).astype(dtype),
+      "bias": jnp.zeros(hidden, dtype),
     },
-    "norm": {"scale": jnp.ones(HIDDEN, jnp.float32)},
-    "out": {"kernel": (0.3 * jax.random.normal(k2, (HIDDEN, 1))).astype(dtype)},
+    "norm": {"scale": jnp.ones(hidden, jnp.float32)},
+    "out": {"kernel": (out_std * jax.random.normal(k2, (hidden, 1))).astype(dtype)},
   }
 
 
@@ -105,10 +122,18 @@ class ScaleConfig(NamedTuple):
 DEFAULT_CONFIG = ScaleConfig()
 
 
-def make_tx(stack: str, config: ScaleConfig = DEFAULT_CONFIG, inner=None, masters: str = "full"):
+def make_tx(
+  stack: str,
+  config: ScaleConfig = DEFAULT_CONFIG,
+  inner=None,
+  masters: str = "full",
+  moments: str = "full",
+):
   """``stack``: "mixed_precision", "static_loss_scale" (scale 2**10) or
-  "loss_scale"; ``masters``: ``mixed_precision``'s storage mode."""
-  mp = mpx.mixed_precision(inner_rule() if inner is None else inner, masters=masters)
+  "loss_scale"; ``masters`` and ``moments``: ``mixed_precision``'s storage
+  of the masters and of the inner rule's moments."""
+  inner = inner_rule() if inner is None else inner
+  mp = mpx.mixed_precision(inner, masters=masters, moments=moments)
   if stack == "mixed_precision":
     return mp
   if stack == "static_loss_scale":
@@ -140,6 +165,35 @@ def reference_scales(flags, config: ScaleConfig) -> list[float]:
 def mp_state(state):
   """The ``mixed_precision`` state, in any storage mode."""
   return state.inner_state if isinstance(state, mpx.LossScaleState) else state
+
+
+# The compressed nodes of the inner state of the WIDE model, by moments format:
+# (field, param path) -> stored type. Every other leaf stays as optax made it.
+COMPRESSED = {
+  "full": {},
+  "bfloat16": {
+    ("mu", "dense/kernel"): mpx.Bfloat16Moment,
+    ("nu", "dense/kernel"): mpx.Bfloat16Moment,
+  },
+  "8bit": {
+    ("mu", "dense/kernel"): mpx.Signed8bitMoment,
+    ("nu", "dense/kernel"): mpx.Nonnegative8bitMoment,
+  },
+}
+
+
+def compressed_nodes(inner) -> dict:
+  """The compressed moments stored in ``inner`` (a stored inner state, or a
+  stack of them), as ``(field, param path) -> type``, for :data:`COMPRESSED`."""
+  stored = (mpx.Bfloat16Moment, mpx.Signed8bitMoment, mpx.Nonnegative8bitMoment)
+  flat = jax.tree_util.tree_flatten_with_path(inner, is_leaf=lambda x: isinstance(x, stored))[0]
+  found = {}
+  for path, node in flat:
+    if isinstance(node, stored):
+      fields = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+      keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+      found[fields[-1], "/".join(keys)] = type(node)
+  return found
 
 
 def poison_grads(grads: dict, kind, leaf, elem, poison) -> dict:
@@ -180,7 +234,8 @@ def record(params, state) -> dict:
     # The float32 view of the low-precision leaves (norm/scale has no master),
     # in every storage mode; stochastic's is the params themselves.
     "masters": {k: v for k, v in mpx.master_params(state, params).items() if k != "norm"},
-    "inner": mp.inner_state,
+    "inner": mp.inner_state,  # as stored: codes and scales under moments="8bit"
+    "inner_decompressed": mpx.inner_state(state),  # as the inner rule sees it
     "scale": mpx.get_loss_scale(state),
     "skipped": jnp.int32(-1) if ls is None else ls.skipped_steps,
     "last_finite": jnp.asarray(True) if ls is None else ls.last_step_finite,
@@ -189,10 +244,12 @@ def record(params, state) -> dict:
 
 
 @functools.cache
-def compiled_run(stack: str, config: ScaleConfig = DEFAULT_CONFIG, masters: str = "full"):
+def compiled_run(
+  stack: str, config: ScaleConfig = DEFAULT_CONFIG, masters: str = "full", moments: str = "full"
+):
   """``(tx, run)``; ``run(params, xs)`` returns the records of the initial
   state followed by those after every step (leading axis ``steps + 1``)."""
-  tx = make_tx(stack, config, masters=masters)
+  tx = make_tx(stack, config, masters=masters, moments=moments)
 
   @jax.jit
   def run(params, xs):
@@ -257,8 +314,26 @@ def all_finite_np(tree) -> bool:
 # --- The resume scenario (test_resume.py and its fresh process). ---
 
 RESUME_SEED = 3
-# The storage modes the resume test runs; remainder and stochastic are bf16 only.
-RESUME_DTYPES = {"full": jnp.float16, "remainder": jnp.bfloat16, "stochastic": jnp.bfloat16}
+
+
+class ResumeMode(NamedTuple):
+  """A storage mode the resume test runs: the params' dtype, the masters, the
+  moments and the model's width (the wide one has compressed moments)."""
+
+  dtype: Any
+  masters: str = "full"
+  moments: str = "full"
+  hidden: int = HIDDEN
+
+
+# By name, the MODE of the fresh process; remainder and stochastic are bf16 only.
+RESUME_MODES = {
+  "full": ResumeMode(jnp.float16),
+  "remainder": ResumeMode(jnp.bfloat16, "remainder"),
+  "stochastic": ResumeMode(jnp.bfloat16, "stochastic"),
+  "remainder-8bit": ResumeMode(jnp.bfloat16, "remainder", "8bit", WIDE),
+  "stochastic-bfloat16": ResumeMode(jnp.bfloat16, "stochastic", "bfloat16", WIDE),
+}
 RESUME_STEPS = 400 if LONG else 44
 # Non-default everywhere, so a lost setting would change the trajectory.
 RESUME_CONFIG = ScaleConfig(
@@ -273,13 +348,14 @@ RESUME_CONFIG = ScaleConfig(
 ADJUST_STEP, ADJUSTED_LR = 20, 5e-3  # mpx.adjust(learning_rate=...) before this step
 
 
-def resume_tx(masters: str = "full"):
+def resume_tx(mode: str = "full"):
   inner = optax.chain(
     optax.clip_by_global_norm(1.0),
     optax.inject_hyperparams(optax.adamw)(learning_rate=3e-2, weight_decay=1e-3),
     optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, 1000, 0.1)),
   )
-  return make_tx("loss_scale", RESUME_CONFIG, inner=inner, masters=masters)
+  m = RESUME_MODES[mode]
+  return make_tx("loss_scale", RESUME_CONFIG, inner=inner, masters=m.masters, moments=m.moments)
 
 
 def resume_plan() -> dict:
@@ -300,14 +376,20 @@ def resume_plan() -> dict:
 
 
 @functools.cache
-def resume_step(masters: str = "full"):
-  tx = resume_tx(masters)
+def resume_step(mode: str = "full"):
+  tx = resume_tx(mode)
   return jax.jit(lambda params, state, xs: train_step(tx, params, state, xs))
 
 
-def resume_train(params, state, start: int, stop: int, masters: str = "full") -> list:
+def resume_params(mode: str = "full") -> dict:
+  """The initial params of the resume run in ``mode``."""
+  m = RESUME_MODES[mode]
+  return init_params(RESUME_SEED, m.dtype, m.hidden)
+
+
+def resume_train(params, state, start: int, stop: int, mode: str = "full") -> list:
   """Steps ``start .. stop - 1``; returns ``(params, opt_state)`` after each."""
-  step, plan = resume_step(masters), resume_plan()
+  step, plan = resume_step(mode), resume_plan()
   out = []
   for t in range(start, stop):
     if t == ADJUST_STEP:
@@ -317,22 +399,22 @@ def resume_train(params, state, start: int, stop: int, masters: str = "full") ->
   return out
 
 
-def resume_template(masters: str = "full"):
+def resume_template(mode: str = "full"):
   """The abstract ``{"params", "opt_state"}`` tree a fresh process restores into."""
-  params = init_params(RESUME_SEED, RESUME_DTYPES[masters])
-  tx = resume_tx(masters)
+  params = resume_params(mode)
+  tx = resume_tx(mode)
   return jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
 
 
-def _resume_main(masters: str, ckpt_root: str, out_file: str, steps: list[int]) -> None:
+def _resume_main(mode: str, ckpt_root: str, out_file: str, steps: list[int]) -> None:
   import orbax.checkpoint as ocp
 
   checkpointer = ocp.StandardCheckpointer()
-  template = resume_template(masters)
+  template = resume_template(mode)
   results = {}
   for k in steps:
     restored = checkpointer.restore(os.path.join(ckpt_root, f"step_{k}"), template)
-    trajectory = resume_train(restored["params"], restored["opt_state"], k, RESUME_STEPS, masters)
+    trajectory = resume_train(restored["params"], restored["opt_state"], k, RESUME_STEPS, mode)
     results[k] = jax.device_get({"restored": restored, "trajectory": trajectory})
   with open(out_file, "wb") as f:
     pickle.dump(results, f)
