@@ -50,6 +50,7 @@ import numpy as np
 import optax
 
 import mpx
+from mpx._src import finite
 
 # MPX_LONG=1 selects thousands of steps and more seeds (see docs/guarantees.md).
 LONG = os.environ.get("MPX_LONG", "0") not in ("", "0")
@@ -149,8 +150,8 @@ def reference_scales(flags, config: ScaleConfig) -> list[float]:
   ``flags[t]`` is True when step t's gradients are finite."""
   c = config
   scale, tracker, streak, out = c.init_scale, 0, 0, []
-  for finite in flags:
-    if finite:
+  for step_finite in flags:
+    if step_finite:
       streak, tracker = 0, tracker + 1
       if tracker == c.growth_interval:
         scale, tracker = min(scale * c.growth_factor, c.max_scale), 0
@@ -243,12 +244,21 @@ def record(params, state) -> dict:
   }
 
 
-@functools.cache
 def compiled_run(
   stack: str, config: ScaleConfig = DEFAULT_CONFIG, masters: str = "full", moments: str = "full"
 ):
   """``(tx, run)``; ``run(params, xs)`` returns the records of the initial
-  state followed by those after every step (leading axis ``steps + 1``)."""
+  state followed by those after every step (leading axis ``steps + 1``).
+
+  One per configuration and per form of the finite check (the
+  ``finite_check_form`` fixture switches it; a jitted function traced under
+  one form would keep it)."""
+  return _compiled_run(stack, config, masters, moments, finite._single_cpu_device())
+
+
+@functools.cache
+def _compiled_run(stack: str, config: ScaleConfig, masters: str, moments: str, form: bool):
+  del form  # a cache key only
   tx = make_tx(stack, config, masters=masters, moments=moments)
 
   @jax.jit
