@@ -1,5 +1,7 @@
 """Compressed optimizer moments: ``mixed_precision(..., moments=...)``."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -395,3 +397,63 @@ def test_sync_masters_keeps_the_compressed_moments():
   synced = jax.jit(mpx.sync_masters)(state, edited)
   assert tree_equal(synced.inner_state, state.inner_state)
   assert tree_equal(mpx.master_params(synced, edited)["w"] >= 0, jnp.ones(BIG, bool))
+
+
+def _three_steps(moments, masters="full"):
+  """Three jitted, donated steps; the final state, and the big arrays the
+  compiled step copies."""
+  params = bf16_params()
+  tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  step = jax.jit(step, donate_argnums=(0, 1))
+  hlo = step.lower(params, state, grads_like(params, 0)).compile().as_text()
+  copied = [
+    s
+    for s, dims in re.findall(r"= (\w+\[([\d,]+)\])\{[^}]*\} copy\(", hlo)
+    if np.prod([int(d) for d in dims.split(",")]) >= 4096
+  ]
+  for k in range(3):
+    params, state = step(params, state, grads_like(params, k))
+  return jax.device_get((params, state)), copied
+
+
+_ONE_DEVICE = """
+import pickle, sys
+sys.path.insert(0, sys.argv[1])
+import jax, test_moments
+assert jax.device_count() == 1
+out = {m: test_moments._three_steps(m, "remainder") for m in ("full", "bfloat16", "8bit")}
+with open(sys.argv[2], "wb") as f:
+  pickle.dump(out, f)
+"""
+
+
+def test_in_a_one_device_process_compressed_moments_are_written_in_place(tmp_path):
+  """With one device, compression is ordered after the master update (see
+  mixed_precision), so XLA writes each compressed moment over its old value
+  instead of copying it: the step copies no more big arrays than with full
+  moments. It computes the same bits as the many-device process here."""
+  import os
+  import pathlib
+  import pickle
+  import subprocess
+  import sys
+
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = tmp_path / "one_device.pkl"
+  tests = str(pathlib.Path(__file__).parent)
+  subprocess.run(
+    [sys.executable, "-c", _ONE_DEVICE, tests, str(out)], env=env, check=True, timeout=600
+  )
+  with open(out, "rb") as f:
+    one_device = pickle.load(f)
+  assert one_device["bfloat16"][1] == one_device["full"][1] == []
+  assert one_device["8bit"][1] == []
+  for moments in ("bfloat16", "8bit"):
+    here, _ = _three_steps(moments, "remainder")
+    assert tree_equal(one_device[moments][0], here)

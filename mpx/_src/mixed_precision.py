@@ -225,7 +225,7 @@ def mixed_precision(
       handed_out = [out for _, out in committed]  # what each leaf's param_update reads
       new_inner_flat = inner_treedef.flatten_up_to(new_inner)
       count = state.applied_steps
-      if any(k is not moments_lib.FULL for k in inner_kinds):
+      if jax.device_count() == 1 and any(k is not moments_lib.FULL for k in inner_kinds):
         count = count + _after(new_stored + handed_out + new_inner_flat, inner_kinds)
       new_stored_inner = [
         kind.compress(value, count) for kind, value in zip(inner_kinds, new_inner_flat, strict=True)
@@ -355,7 +355,10 @@ def _after(outputs: list[Any], inner_kinds: list[Any]) -> jax.Array:
   parameter more each step). Adding this to the count of the moments'
   random bits makes their compression depend on every other output. It is
   zero while they are not NaN (an applied step's never are, short of the
-  rule's own NaN), and costs a read of one element each.
+  rule's own NaN), and costs a read of one element each. Only in a process
+  with one device: where the state may be sharded, an element of a sharded
+  output would be gathered across devices (XLA all-gathers the whole leaf
+  for it). An ``optimization_barrier`` instead leaves the copies in place.
   """
   full_inner = outputs[len(outputs) - len(inner_kinds) :]
   others = outputs[: len(outputs) - len(inner_kinds)]

@@ -193,13 +193,19 @@ def _rows(x: jax.Array) -> jax.Array:
   return x.reshape((*x.shape[:-1], blocks, size))
 
 
-def _unrows(blocked: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """The inverse of ``_rows``: drop the padding, restore ``shape``."""
-  flat = blocked.reshape((*blocked.shape[:-2], blocked.shape[-2] * blocked.shape[-1]))
+def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Each block's scale at each of its elements: ``scales`` broadcast to the
+  leaf's ``shape``. The elementwise work runs in the leaf's own shape, so a
+  kernel that rewrites the codes reads the old ones at the indices it writes
+  (and may write them in place)."""
+  size, blocks = block_layout(shape)
+  lead = shape[:-1] if shape else ()
+  wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
+  wide = wide.reshape((*lead, blocks * size))
   n = shape[-1] if shape else 1
-  if flat.shape[-1] != n:
-    flat = jax.lax.slice_in_dim(flat, 0, n, axis=flat.ndim - 1)
-  return flat.reshape(shape)
+  if blocks * size != n:
+    wide = jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1)
+  return wide.reshape(shape)
 
 
 def _salted(key: jax.Array, salt: str) -> jax.Array:
@@ -268,55 +274,60 @@ def _encode(
   shape = x.shape
   blocked = _rows(x)
   zero = np.float32(0)
-  # The reduction starts from 0: an empty block's scale is 0, and (the
-  # nonnegative code) negative values do not count. It takes |x| inside the
-  # reducer: an abs of its own, shared with the codes below, would be written
-  # out whole (XLA's CPU reductions do not fuse it).
-  largest = _max_abs if code.signed else jax.lax.max
-  scales = jax.lax.reduce(blocked, zero, largest, (blocked.ndim - 1,))
+  # The reductions start from 0: an empty block's scale is 0, and (the
+  # nonnegative code) negative values do not count. The largest magnitude is
+  # max(largest, -smallest): XLA's CPU reductions fuse their input's
+  # arithmetic but not an abs (a select), which would be written out whole.
+  scales = jax.lax.reduce(blocked, zero, jax.lax.max, (blocked.ndim - 1,))
   if code.signed:
-    magnitude = jax.lax.abs(blocked)
+    smallest = jax.lax.reduce(blocked, zero, jax.lax.min, (blocked.ndim - 1,))
+    scales = jax.lax.max(scales, jax.lax.neg(smallest))
+  if code.signed:
+    magnitude = jax.lax.abs(x)
   else:
     # Negative values (and -0.0, whose int32 bits would wrap below) code as 0.
-    magnitude = jax.lax.select(jax.lax.gt(blocked, zero), blocked, jnp.zeros_like(blocked))
+    magnitude = jax.lax.select(jax.lax.gt(x, zero), x, jnp.zeros_like(x))
   # A true division: the block's largest element becomes exactly 1.0.
   safe = jax.lax.select(scales > zero, scales, jnp.ones_like(scales))
-  a = jax.lax.div(magnitude, jax.lax.broadcast_in_dim(safe, blocked.shape, range(blocked.ndim - 1)))
+  a = jax.lax.div(magnitude, _expand(safe, shape))
   bits = _bits(a)
   layout = code.layout()
   bounds = [low for low, _, _ in layout[:-1]]
-  low = _select(bits, bounds, [low for low, _, _ in layout])
-  base = _select(bits, bounds, [c for _, c, _ in layout])
+  # In region r, level = base + ((bits - low + noise) >> shift), which is
+  # (bits + noise + (base << shift) - low) >> shift: an offset and a shift.
+  offset = _select(bits, bounds, [(c << sh) - low for low, c, sh in layout])
   shift = _select(bits, bounds, [sh for _, _, sh in layout])
-  t = jax.lax.sub(bits, low)
   one = np.int32(1)
   if stochastic:
-    random = _rows(rounding.random_bits(key, count, shape))
+    random = rounding.random_bits(key, count, shape)
     mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
     noise = jax.lax.bitwise_and(random.astype(jnp.int32), mask)
   else:
     noise = jax.lax.shift_left(one, jax.lax.sub(shift, one))
-  level = jax.lax.add(base, jax.lax.shift_right_arithmetic(jax.lax.add(t, noise), shift))
+  level = jax.lax.shift_right_arithmetic(jax.lax.add(jax.lax.add(bits, offset), noise), shift)
   lowest = np.array(layout[-1][0], np.int32).view(np.float32)
   if code.signed:
     # Below the smallest level: to it with probability a / lowest, else to 0.
     if stochastic:
-      uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.float32)
+      # Via int32 (the value fits 24 bits): uint32 to float32 does not vectorize.
+      uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
+      uniform = uniform.astype(jnp.float32)
       threshold = jax.lax.mul(uniform, np.float32(lowest * 2.0**-24))
     else:
       threshold = jnp.full_like(a, lowest / 2)
-    small = jax.lax.gt(a, threshold)
+    # As integers: the bits of non-negative floats order as their values (and
+    # then ``a`` is read only as bits, so XLA keeps it in registers).
+    small = jax.lax.gt(bits, _bits(threshold))
   else:
     # Never to zero: a positive value below the smallest level takes it, even
     # one whose ratio to the scale underflowed (so test x, not a).
-    small = jax.lax.gt(blocked, zero)
+    small = jax.lax.gt(x, zero)
   below = jax.lax.lt(bits, np.int32(layout[-1][0]))
   level = jax.lax.select(below, small.astype(jnp.int32), level)
   if code.signed:
-    negative = jax.lax.bitwise_and(jax.lax.lt(blocked, zero), jax.lax.gt(level, np.int32(0)))
+    negative = jax.lax.bitwise_and(jax.lax.lt(x, zero), jax.lax.gt(level, np.int32(0)))
     level = jax.lax.bitwise_or(level, jax.lax.shift_left(negative.astype(jnp.int32), np.int32(7)))
-  codes = _unrows(level.astype(jnp.uint8), shape)
-  return QuantizedMoment(codes, scales)
+  return QuantizedMoment(level.astype(jnp.uint8), scales)
 
 
 def _decode(code: _Code, c: QuantizedMoment) -> jax.Array:
@@ -328,25 +339,24 @@ def _decode(code: _Code, c: QuantizedMoment) -> jax.Array:
     raise ValueError(
       f"scales of shape {scales.shape} do not match codes of shape {shape}: expected {expected}"
     )
-  k = _rows(codes).astype(jnp.int32)
+  k = codes.astype(jnp.int32)
   magnitude = jax.lax.bitwise_and(k, np.int32(127)) if code.signed else k
   layout = code.layout()
   bounds = [c for _, c, _ in layout[:-1]]
-  low = _select(magnitude, bounds, [low for low, _, _ in layout])
-  base = _select(magnitude, bounds, [c for _, c, _ in layout])
+  # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) + (k << shift).
+  offset = _select(magnitude, bounds, [low - (c << sh) for low, c, sh in layout])
   shift = _select(magnitude, bounds, [sh for _, _, sh in layout])
-  bits = jax.lax.add(low, jax.lax.shift_left(jax.lax.sub(magnitude, base), shift))
+  bits = jax.lax.add(offset, jax.lax.shift_left(magnitude, shift))
   if code.signed:
     # The sign bit moves to float32's sign bit; the level's bits stay.
     sign = jax.lax.shift_left(jax.lax.shift_right_logical(k, np.int32(7)), np.int32(31))
     bits = jax.lax.bitwise_or(bits, sign)
   level = jax.lax.bitcast_convert_type(bits, jnp.float32)
-  value = jax.lax.mul(level, jax.lax.broadcast_in_dim(scales, k.shape, range(k.ndim - 1)))
+  value = jax.lax.mul(level, _expand(scales, shape))
   if not code.signed:
     # A product below float32's normals would flush to zero: keep it positive.
     value = jax.lax.max(value, jnp.full_like(value, _TINY))
-  value = jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
-  return _unrows(value, shape)
+  return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
 
 
 def encode_bfloat16(x: jax.Array, key: jax.Array, count: jax.Array, stochastic: bool) -> jax.Array:
