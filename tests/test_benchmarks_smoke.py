@@ -410,3 +410,94 @@ def test_training_state_bytes(smoke):
   for mode in ("mpx bf16", "mpx fp16"):
     assert rows[mode]["state_bpp"] == pytest.approx(rows["fp32 optax"]["state_bpp"] + 4, abs=64 / n)
     assert rows[mode]["peak_bytes"] > 0
+
+
+# --- benchmarks/moments.py: compressed optimizer moments --------------------------------
+
+MOMENTS_SCRIPT = ROOT / "benchmarks" / "moments.py"
+MOMENT_MASTERS = ("full", "remainder", "stochastic")
+MOMENT_FORMATS = ("full", "bfloat16", "8bit")
+# The leaf the memory table is measured on under --smoke, and what AdamW's
+# whole state on it must cost per bf16 parameter: the master (float32,
+# int16 remainder, or none) plus mu and nu (float32, bfloat16, or a uint8 code
+# each plus a float32 scale per block of 256 along the last axis).
+MOMENTS_SMOKE_SHAPE = (64, 1024)
+MASTER_BPP = {"full": 4, "remainder": 2, "stochastic": 0}
+MOMENTS_BPP = {"full": 8, "bfloat16": 4, "8bit": 2 + 2 * 4 * (1024 // 256) / 1024}
+MOMENT_PEERS = ("bitsandbytes", "torchao", "TransformerEngine", "FlashOptim", "optax.adamw")
+
+
+@pytest.fixture(scope="module")
+def moments_smoke(tmp_path_factory):
+  out = tmp_path_factory.mktemp("moments")
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  proc = subprocess.run(
+    [
+      sys.executable,
+      str(MOMENTS_SCRIPT),
+      "--smoke",
+      "--json",
+      str(out / "moments.json"),
+      "--out",
+      str(out / "moments.md"),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads((out / "moments.json").read_text())
+  return results, proc.stdout, (out / "moments.md").read_text()
+
+
+def test_moments_memory_per_param(moments_smoke):
+  results, _, _ = moments_smoke
+  assert tuple(results["memory_shape"]) == MOMENTS_SMOKE_SHAPE
+  n = MOMENTS_SMOKE_SHAPE[0] * MOMENTS_SMOKE_SHAPE[1]
+  rows = {(r["masters"], r["moments"]): r for r in results["memory"]}
+  assert set(rows) == {(a, b) for a in MOMENT_MASTERS for b in MOMENT_FORMATS}
+  for (masters, moments), row in rows.items():
+    expected = MASTER_BPP[masters] + MOMENTS_BPP[moments]
+    # Beyond the master and the moments, only a few scalars (counts, a key).
+    assert expected <= row["state_bpp"] <= expected + 8 * 4 / n, (masters, moments)
+    assert row["within"], (masters, moments)
+
+
+def test_moments_speed_and_bytes_rows(moments_smoke):
+  results, _, _ = moments_smoke
+  (size,) = results["sizes"]
+  rows = {(r["masters"], r["moments"]): r for r in size["rows"].values()}
+  assert set(rows) == {(a, b) for a in MOMENT_MASTERS for b in MOMENT_FORMATS}
+  for (masters, moments), row in rows.items():
+    if moments == "full":
+      assert row["x_full"] is None and row["saved_bpp"] == 0
+    else:
+      # One paired ratio per round, and their median (never checked: timings).
+      assert len(row["x_full_rounds"]) == size["rounds"] > 0, (masters, moments)
+      assert row["x_full"] > 0
+    assert row["accessed_bpp"] > 0  # XLA:CPU's cost analysis
+    assert row["host_syncs"] == 0, (masters, moments, row["host_syncs"])
+    assert row["compiles"] == 1, (masters, moments)
+    # The state the step carries: the same bytes as the memory table's, up to
+    # the tree's small leaves, which stay float32.
+    assert row["state_bpp"] >= MASTER_BPP[masters] + MOMENTS_BPP[moments] - 0.01
+
+
+def test_moments_report(moments_smoke):
+  results, stdout, markdown = moments_smoke
+  assert stdout.strip() == markdown.strip()
+  assert "MALLOC_ARENA_MAX=1" in results["machine"]["malloc"]
+  assert "### Memory: bytes per parameter, AdamW on bf16 params" in markdown
+  assert "### Step time and bytes moved" in markdown
+  for peer in MOMENT_PEERS:
+    lines = [x for x in markdown.splitlines() if x.startswith(f"| {peer}")]
+    assert lines, peer
+    assert all("by construction, not measured" in x for x in lines), peer
+  for masters in MOMENT_MASTERS:
+    for moments in MOMENT_FORMATS:
+      assert f"| mpx masters {masters}, moments {moments} |" in markdown
+  assert "<= 1.3x" in markdown and "<= 1.1x" in markdown  # the speed goals beside the ratios
