@@ -363,12 +363,16 @@ def _after(outputs: list[Any], inner_kinds: list[Any]) -> jax.Array:
   full_inner = outputs[len(outputs) - len(inner_kinds) :]
   others = outputs[: len(outputs) - len(inner_kinds)]
   others += [v for v, k in zip(full_inner, inner_kinds, strict=True) if k is moments_lib.FULL]
-  flags = [
-    jnp.isnan(jnp.ravel(x)[0].astype(jnp.float32))
+  firsts = [
+    jnp.ravel(x)[:1].astype(jnp.float32)
     for x in others
     if not tree_lib.is_placeholder(x) and np.size(x)
   ]
-  return sum((f.astype(jnp.int32) for f in flags), jnp.zeros((), jnp.int32))
+  if not firsts:
+    return jnp.zeros((), jnp.int32)
+  # A reduction, computed once: a scalar made of elementwise ops alone XLA
+  # would fuse into every element of every compressed moment.
+  return jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
 
 
 def _received_like_grads(value: Any, leaves: _Leaves) -> Any:
