@@ -83,6 +83,7 @@ def run(name, moments):
   return train(params)
 
 
+@pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize(
   "name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CASES]
 )

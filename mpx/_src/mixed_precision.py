@@ -225,7 +225,7 @@ def mixed_precision(
       handed_out = [out for _, out in committed]  # what each leaf's param_update reads
       new_inner_flat = inner_treedef.flatten_up_to(new_inner)
       count = state.applied_steps
-      if jax.device_count() == 1 and any(k is not moments_lib.FULL for k in inner_kinds):
+      if jax.device_count() == 1 and any(k.compressed for k in inner_kinds):
         count = count + _after(new_stored + handed_out + new_inner_flat, inner_kinds)
       new_stored_inner = [
         kind.compress(value, count) for kind, value in zip(inner_kinds, new_inner_flat, strict=True)
@@ -362,7 +362,7 @@ def _after(outputs: list[Any], inner_kinds: list[Any]) -> jax.Array:
   """
   full_inner = outputs[len(outputs) - len(inner_kinds) :]
   others = outputs[: len(outputs) - len(inner_kinds)]
-  others += [v for v, k in zip(full_inner, inner_kinds, strict=True) if k is moments_lib.FULL]
+  others += [v for v, k in zip(full_inner, inner_kinds, strict=True) if not k.compressed]
   firsts = [
     jnp.ravel(x)[:1].astype(jnp.float32)
     for x in others

@@ -67,6 +67,8 @@ _STORED_8BIT = {"signed": Signed8bitMoment, "nonnegative": Nonnegative8bitMoment
 class FullMoment:
   """A leaf of the inner state kept as the inner rule made it."""
 
+  compressed = False
+
   def stored_like(self, leaf: Any) -> Any:
     return leaf
 
@@ -87,6 +89,7 @@ class Bfloat16MomentKind:
   stochastically with the leaf's ``key``."""
 
   key: int
+  compressed = True
 
   def stored_like(self, leaf: Any) -> Any:
     like: Any = jax.ShapeDtypeStruct(np.shape(leaf), jnp.bfloat16)
@@ -108,6 +111,7 @@ class EightBitMomentKind:
 
   key: int
   sign: moment_codes.Kind
+  compressed = True
 
   def stored_like(self, leaf: Any) -> Any:
     shape = tuple(np.shape(leaf))
