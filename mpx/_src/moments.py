@@ -12,8 +12,9 @@ inside the inner rule, floating, with at least :data:`MIN_SIZE` elements.
 Counts, injected hyperparameters, small leaves and everything else stay as
 the inner rule made them. Under ``"8bit"`` each field is signed (a first
 moment) or non-negative (a second moment, whose code never turns a positive
-value into zero): ``nu`` and ``nu_max`` are non-negative, other names signed,
-unless the user maps names to kinds. A leaf whose last axis is shorter than
+value into zero): ``nu`` and ``nu_max`` are non-negative, other names signed
+(but for the optax states in :data:`KNOWN_SIGNS`, such as SM3's), unless the
+user maps names to kinds. A leaf whose last axis is shorter than
 :data:`MIN_ROW_8BIT` is stored in bfloat16 instead: its blocks (one per row)
 would cost more in scales than 8 bits save.
 
