@@ -355,7 +355,9 @@ def _after(outputs: list[Any], inner_kinds: list[Any]) -> jax.Array:
   parameter more each step). Adding this to the count of the moments'
   random bits makes their compression depend on every other output. It is
   zero while they are not NaN (an applied step's never are, short of the
-  rule's own NaN), and costs a read of one element each. Only in a process
+  rule's own NaN), and costs a read of one element of each output as large
+  as a compressed leaf can be (smaller ones are not worth a kernel each: at
+  worst XLA copies a moment read by one of them). Only in a process
   with one device: where the state may be sharded, an element of a sharded
   output would be gathered across devices (XLA all-gathers the whole leaf
   for it). An ``optimization_barrier`` instead leaves the copies in place.
@@ -366,7 +368,7 @@ def _after(outputs: list[Any], inner_kinds: list[Any]) -> jax.Array:
   firsts = [
     jnp.ravel(x)[:1].astype(jnp.float32)
     for x in others
-    if not tree_lib.is_placeholder(x) and np.size(x)
+    if not tree_lib.is_placeholder(x) and np.size(x) >= moments_lib.MIN_SIZE
   ]
   if not firsts:
     return jnp.zeros((), jnp.int32)
