@@ -249,12 +249,14 @@ def _table_encode(
   index = jnp.where(p > u, high, high - 1)
   if table[0] == 0:
     index = jnp.where((a > 0) & (index == 0), 1, index)
-  return mc.QuantizedMoment(mc._unrows(index.astype(jnp.uint8), x.shape), scales)
+  flat = index.astype(jnp.uint8).reshape((*index.shape[:-2], -1))  # drop the blocks' padding
+  codes = flat[..., : x.shape[-1] if x.shape else 1].reshape(x.shape)
+  return mc.QuantizedMoment(codes, scales)
 
 
 def _table_decode(table: np.ndarray, c: mc.QuantizedMoment) -> Array:
-  k = mc._rows(c.codes).astype(jnp.int32)
-  return mc._unrows(jnp.asarray(table)[k] * c.scales[..., None], c.codes.shape)
+  levels = jnp.asarray(table)[c.codes.astype(jnp.int32)]
+  return levels * mc._expand(c.scales, c.codes.shape)
 
 
 # --- One run ---------------------------------------------------------------

@@ -263,10 +263,6 @@ def _select(x: jax.Array, bounds: list[int], values: list[int]) -> jax.Array:
   return out
 
 
-def _max_abs(a: jax.Array, b: jax.Array) -> jax.Array:
-  return jax.lax.max(jax.lax.abs(a), jax.lax.abs(b))
-
-
 def _encode(
   code: _Code, x: jax.Array, key: jax.Array, count: jax.Array, stochastic: bool
 ) -> QuantizedMoment:
