@@ -122,7 +122,8 @@ class EightBitMomentKind:
     return _STORED_8BIT[self.sign](codes, scales)
 
   def decompress(self, stored: Any) -> jax.Array:
-    return moment_codes.decode(moment_codes.QuantizedMoment(*stored), self.sign)
+    codes, scales = (jnp.asarray(part) for part in stored)
+    return moment_codes.decode(moment_codes.QuantizedMoment(codes, scales), self.sign)
 
   def compress(self, value: jax.Array, step: jax.Array) -> Any:
     key = jnp.uint32(self.key)
@@ -265,19 +266,19 @@ def _is_compressed(x: Any) -> bool:
   return isinstance(x, COMPRESSED_MOMENTS)
 
 
-def _sign_of(stored: Signed8bitMoment | Nonnegative8bitMoment) -> moment_codes.Kind:
-  return "signed" if isinstance(stored, Signed8bitMoment) else "nonnegative"
+# The kind that decompresses each stored form (a key matters only to compress).
+_KIND_OF_STORED: dict[type, Bfloat16MomentKind | EightBitMomentKind] = {
+  Bfloat16Moment: Bfloat16MomentKind(0),
+  Signed8bitMoment: EightBitMomentKind(0, "signed"),
+  Nonnegative8bitMoment: EightBitMomentKind(0, "nonnegative"),
+}
 
 
 def decompressed(stored_inner: Any) -> Any:
   """``stored_inner`` with every compressed moment decompressed to float32."""
 
   def leaf(x: Any) -> Any:
-    if isinstance(x, Bfloat16Moment):
-      return moment_codes.decode_bfloat16(x.values)
-    if isinstance(x, (Signed8bitMoment, Nonnegative8bitMoment)):
-      coded = moment_codes.QuantizedMoment(jnp.asarray(x.codes), jnp.asarray(x.scales))
-      return moment_codes.decode(coded, _sign_of(x))
-    return x
+    kind = _KIND_OF_STORED.get(type(x))
+    return x if kind is None else kind.decompress(x)
 
   return jax.tree.map(leaf, stored_inner, is_leaf=_is_compressed)
