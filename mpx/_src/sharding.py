@@ -180,17 +180,11 @@ def zero1_shardings(
   replicated = NamedSharding(mesh, PartitionSpec())
   abstract_state = jax.eval_shape(tx.init, params)
 
-  def compressed_spec(parts: Any, param: Any) -> NamedSharding:
-    # Codes and block scales alike get one spec, chosen as if the leaf's last
-    # axis were its blocks: a split of it then falls on block boundaries, so
-    # a step needs no collective. A last block cut short never splits.
-    shape = tuple(parts[0].shape)
+  def spec(shape: tuple[int, ...], param: Any, fit_shape: tuple[int, ...]) -> NamedSharding:
+    """The param's spec for a leaf of ``shape``, ``axis`` added to the first
+    dimension of ``fit_shape`` it divides."""
     if not shape:
       return replicated
-    fit_shape = shape
-    if isinstance(parts, (Signed8bitMoment, Nonnegative8bitMoment)):
-      size, blocks = moment_codes.block_layout(shape)
-      fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
     entries = _param_spec(param, mesh, len(shape))
     if axis is None:
       return NamedSharding(mesh, _canonical(entries, mesh))
@@ -201,17 +195,17 @@ def zero1_shardings(
       return leaf
     if isinstance(leaf, COMPRESSED_MOMENTS):
       # Every part (codes and block scales alike) gets one spec, chosen as if
-      # the leaf's last axis were its blocks: a split of the last axis then
-      # falls on block boundaries, so no block straddles two devices.
+      # the leaf's last axis were its blocks: a split of it then falls on
+      # block boundaries, so no block straddles two devices. A last block cut
+      # short never splits.
       parts: Any = leaf
-      return type(leaf)(*(compressed_spec(parts, param) for _ in parts))
+      shape = fit_shape = tuple(parts[0].shape)
+      if isinstance(leaf, (Signed8bitMoment, Nonnegative8bitMoment)):
+        size, blocks = moment_codes.block_layout(shape)
+        fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
+      return type(leaf)(*[spec(shape, param, fit_shape)] * len(parts))
     shape = tuple(getattr(leaf, "shape", ()))
-    if not shape:
-      return replicated
-    entries = _param_spec(param, mesh, len(shape))
-    if axis is None:
-      return NamedSharding(mesh, _canonical(entries, mesh))
-    return NamedSharding(mesh, _add_axis(shape, entries, mesh, axis))
+    return spec(shape, param, shape)
 
   return optax.tree_utils.tree_map_params(
     tx,
