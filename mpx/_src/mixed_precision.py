@@ -226,7 +226,8 @@ def mixed_precision(
       new_inner_flat = inner_treedef.flatten_up_to(new_inner)
       count = state.applied_steps
       if jax.device_count() == 1 and any(k.compressed for k in inner_kinds):
-        count = count + _after(new_stored + handed_out + new_inner_flat, inner_kinds)
+        kept = [v for v, k in zip(new_inner_flat, inner_kinds, strict=True) if not k.compressed]
+        count = count + _after(new_stored + handed_out + kept)
       new_stored_inner = [
         kind.compress(value, count) for kind, value in zip(inner_kinds, new_inner_flat, strict=True)
       ]
@@ -345,7 +346,7 @@ def _check_stored(
   return stored_flat
 
 
-def _after(outputs: list[Any], inner_kinds: list[Any]) -> jax.Array:
+def _after(others: list[Any]) -> jax.Array:
   """Zero, computed from one element of each of the step's other outputs.
 
   Each compressed moment is written over its old value (the cond's output
@@ -362,9 +363,6 @@ def _after(outputs: list[Any], inner_kinds: list[Any]) -> jax.Array:
   output would be gathered across devices (XLA all-gathers the whole leaf
   for it). An ``optimization_barrier`` instead leaves the copies in place.
   """
-  full_inner = outputs[len(outputs) - len(inner_kinds) :]
-  others = outputs[: len(outputs) - len(inner_kinds)]
-  others += [v for v, k in zip(full_inner, inner_kinds, strict=True) if not k.compressed]
   firsts = [
     jnp.ravel(x)[:1].astype(jnp.float32)
     for x in others
