@@ -100,22 +100,14 @@ TRAIN_MODES = ("fp32 optax", "mpx bf16", "mpx fp16")
 LOSS_SCALE_SCALARS = 4 + 3 * 4 + 1
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-  out = tmp_path_factory.mktemp("benchmarks")
+def run_smoke(script, *args):
+  """``script --smoke args`` in a subprocess with XLA's backend optimisations
+  off (compiling is most of a smoke run); its stdout, after checking it
+  exited 0."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
   proc = subprocess.run(
-    [
-      sys.executable,
-      str(RUN),
-      "--smoke",
-      "--no-install-peers",
-      "--out-dir",
-      str(out),
-      "--json",
-      str(out / "results.json"),
-    ],
+    [sys.executable, str(script), "--smoke", *map(str, args)],
     cwd=ROOT,
     env=env,
     capture_output=True,
@@ -124,7 +116,14 @@ def smoke(tmp_path_factory):
     check=False,
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads((out / "results.json").read_text()), proc.stdout, out
+  return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+  out = tmp_path_factory.mktemp("benchmarks")
+  stdout = run_smoke(RUN, "--no-install-peers", "--out-dir", out, "--json", out / "results.json")
+  return json.loads((out / "results.json").read_text()), stdout, out
 
 
 def sizes(results):
@@ -430,28 +429,9 @@ MOMENT_PEERS = ("bitsandbytes", "torchao", "TransformerEngine", "FlashOptim", "o
 @pytest.fixture(scope="module")
 def moments_smoke(tmp_path_factory):
   out = tmp_path_factory.mktemp("moments")
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(MOMENTS_SCRIPT),
-      "--smoke",
-      "--json",
-      str(out / "moments.json"),
-      "--out",
-      str(out / "moments.md"),
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  stdout = run_smoke(MOMENTS_SCRIPT, "--json", out / "moments.json", "--out", out / "moments.md")
   results = json.loads((out / "moments.json").read_text())
-  return results, proc.stdout, (out / "moments.md").read_text()
+  return results, stdout, (out / "moments.md").read_text()
 
 
 def test_moments_memory_per_param(moments_smoke):

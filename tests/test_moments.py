@@ -126,18 +126,18 @@ def test_inner_state_is_the_state_plain_optax_holds_at_any_depth_and_under_jit(m
     mpx.inner_state(optax.adam(1e-3).init(params))
 
 
-def test_bfloat16_moments_track_float32_optax_without_drift():
-  """float32 params (no masters): the same gradient stream into optax.adam
-  and into its bfloat16-moment form. Stochastic rounding keeps nu unbiased
-  (b2 = 0.999 moves it by 0.1% a step, below bfloat16's half-ulp of 0.2-0.4%,
-  so rounding to nearest would stall it)."""
+def adam_beside_float32_adam(moments, chunks):
+  """optax.adam on float32 params (no masters) and its ``moments`` form, fed
+  one gradient stream: a (64, 256) leaf whose rows' scales are 1000x apart
+  (each row one 8-bit block). Returns ``(float32 Adam's state, the compressed
+  form's, decompressed)`` after each chunk of ``chunks`` steps."""
   shape = (64, 256)
   params = {"w": jnp.zeros(shape, jnp.float32)}
-  scales = jnp.logspace(-3, 0, shape[0])[:, None]  # rows 1000x apart
-  plain, compressed = optax.adam(1e-3), mpx.mixed_precision(optax.adam(1e-3), moments="bfloat16")
+  scales = jnp.logspace(-3, 0, shape[0])[:, None]
+  plain, compressed = optax.adam(1e-3), mpx.mixed_precision(optax.adam(1e-3), moments=moments)
 
   @jax.jit
-  def run(key):
+  def run(keys):
     def body(carry, key):
       s_plain, s_comp = carry
       g = {"w": scales * jax.random.normal(key, shape)}
@@ -145,11 +145,22 @@ def test_bfloat16_moments_track_float32_optax_without_drift():
       _, s_comp = compressed.update(g, s_comp, params)
       return (s_plain, s_comp), None
 
-    carry = (plain.init(params), compressed.init(params))
-    (s_plain, s_comp), _ = jax.lax.scan(body, carry, jax.random.split(key, 2000))
-    return s_plain[0], mpx.inner_state(s_comp)[0]
+    carry, checkpoints, start = (plain.init(params), compressed.init(params)), [], 0
+    for steps in chunks:
+      carry, _ = jax.lax.scan(body, carry, keys[start : start + steps])
+      checkpoints.append((carry[0][0], mpx.inner_state(carry[1])[0]))
+      start += steps
+    return checkpoints
 
-  want, got = run(jax.random.key(0))
+  return run(jax.random.split(jax.random.key(0), sum(chunks)))
+
+
+def test_bfloat16_moments_track_float32_optax_without_drift():
+  """float32 params (no masters): the same gradient stream into optax.adam
+  and into its bfloat16-moment form. Stochastic rounding keeps nu unbiased
+  (b2 = 0.999 moves it by 0.1% a step, below bfloat16's half-ulp of 0.2-0.4%,
+  so rounding to nearest would stall it)."""
+  ((want, got),) = adam_beside_float32_adam("bfloat16", [2000])
   nu_ratio = np.asarray(got.nu["w"]) / np.asarray(want.nu["w"])
   mu_err = np.abs(np.asarray(got.mu["w"]) - np.asarray(want.mu["w"]))
   # Unbiased: over all elements nu's mean ratio within 0.1% of 1, and within
@@ -173,28 +184,8 @@ def test_8bit_moments_stay_within_a_per_block_bound_of_float32_optax_without_dri
   steps. Each row of 256 is one block, and rows' gradient scales are 1000x
   apart. Stochastic rounding keeps each block's nu unbiased; its noise
   settles instead of accumulating (a slow average forgets it)."""
-  shape = (64, 256)
-  params = {"w": jnp.zeros(shape, jnp.float32)}
-  scales = jnp.logspace(-3, 0, shape[0])[:, None]
-  plain, compressed = optax.adam(1e-3), mpx.mixed_precision(optax.adam(1e-3), moments="8bit")
-
-  @jax.jit
-  def run(key):
-    def body(carry, key):
-      s_plain, s_comp = carry
-      g = {"w": scales * jax.random.normal(key, shape)}
-      _, s_plain = plain.update(g, s_plain, params)
-      _, s_comp = compressed.update(g, s_comp, params)
-      return (s_plain, s_comp), None
-
-    carry, checkpoints = (plain.init(params), compressed.init(params)), []
-    for chunk in jax.random.split(key, 4):
-      carry, _ = jax.lax.scan(body, carry, jax.random.split(chunk, 500))
-      checkpoints.append((carry[0][0], mpx.inner_state(carry[1])[0]))
-    return checkpoints
-
   row_errors = []
-  for want, got in run(jax.random.key(0)):
+  for want, got in adam_beside_float32_adam("8bit", [500] * 4):
     assert isinstance(got.nu["w"], jax.Array)
     nu_ratio = np.asarray(got.nu["w"]) / np.asarray(want.nu["w"])
     rms = np.sqrt(np.asarray(want.nu["w"]))

@@ -51,6 +51,7 @@ import optax
 
 import mpx
 from mpx._src import finite
+from mpx._src.states import COMPRESSED_MOMENTS
 
 # MPX_LONG=1 selects thousands of steps and more seeds (see docs/guarantees.md).
 LONG = os.environ.get("MPX_LONG", "0") not in ("", "0")
@@ -186,7 +187,7 @@ COMPRESSED = {
 def compressed_nodes(inner) -> dict:
   """The compressed moments stored in ``inner`` (a stored inner state, or a
   stack of them), as ``(field, param path) -> type``, for :data:`COMPRESSED`."""
-  stored = (mpx.Bfloat16Moment, mpx.Signed8bitMoment, mpx.Nonnegative8bitMoment)
+  stored = COMPRESSED_MOMENTS
   flat = jax.tree_util.tree_flatten_with_path(inner, is_leaf=lambda x: isinstance(x, stored))[0]
   found = {}
   for path, node in flat:
