@@ -188,23 +188,13 @@ def transformation(masters: str, moments: str) -> optax.GradientTransformation:
   return mpx.mixed_precision(optax.adamw(LR), masters=masters, moments=moments)
 
 
-def init_state(tx: optax.GradientTransformation, masters: str, p32: Any) -> tuple[Any, Any]:
-  """``(bf16 params, optimizer state)`` as :func:`optimizer_step.build_mpx_bf16`
-  makes them: from the float32 params, or (stochastic: no master to seed)
-  from their rounding."""
-  if masters == "stochastic":
-    params = opt_bench._copy(p32, opt_bench.BF16)
-    return params, tx.init(params)
-  return mpx.init_from_full_precision(tx, opt_bench._copy(p32), opt_bench.BF16)
-
-
 def name_of(masters: str, moments: str) -> str:
   return f"masters {masters}, moments {moments}"
 
 
 def build_case(p32: Any, grads: Any, bad_grads: Any, masters: str, moments: str) -> common.Case:
   tx = transformation(masters, moments)
-  state = init_state(tx, masters, p32)
+  state = opt_bench.mpx_bf16_state(tx, masters, p32)
   return common.Case(
     name_of(masters, moments), opt_bench._mpx_step(tx), state, (grads,), (bad_grads,)
   )
@@ -225,7 +215,7 @@ def memory(shape: tuple[int, int]) -> list[dict[str, Any]]:
   rows = []
   for masters in MASTERS:
     for moments in MOMENTS:
-      _, opt = init_state(transformation(masters, moments), masters, p32)
+      _, opt = opt_bench.mpx_bf16_state(transformation(masters, moments), masters, p32)
       jax.block_until_ready(opt)
       bpp = state_bytes(opt) / n
       expected = EXPECTED_STATE_BPP[masters, moments]

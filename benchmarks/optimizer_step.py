@@ -335,14 +335,18 @@ def _mpx_step(tx):
   return step
 
 
+def mpx_bf16_state(tx, masters, p32):
+  """``(bf16 params, tx's state)`` from the float32 params: masters seeded
+  from them, or (stochastic: no master to seed) the state of their rounding."""
+  if masters == "stochastic":
+    params = _copy(p32, BF16)
+    return params, tx.init(params)
+  return mpx.init_from_full_precision(tx, _copy(p32), BF16)
+
+
 def build_mpx_bf16(p32, g, masters="full"):
   tx = mpx.mixed_precision(_adam(), masters=masters)
-  if masters == "stochastic":  # no master to seed: start from the rounded params
-    params = _copy(p32, BF16)
-    opt = tx.init(params)
-  else:
-    params, opt = mpx.init_from_full_precision(tx, _copy(p32), BF16)
-  return _mpx_step(tx), (params, opt), g.bf16
+  return _mpx_step(tx), mpx_bf16_state(tx, masters, p32), g.bf16
 
 
 def build_mpx_bf16_remainder(p32, g):
