@@ -460,11 +460,36 @@ def test_moments_speed_and_bytes_rows(moments_smoke):
       assert len(row["x_full_rounds"]) == size["rounds"] > 0, (masters, moments)
       assert row["x_full"] > 0
     assert row["accessed_bpp"] > 0  # XLA:CPU's cost analysis
+    # Less the one-element reads' charge, which only compressed moments have.
+    assert row["accessed_bpp"] <= row["xla_accessed_bpp"]
+    if moments == "full":
+      assert row["accessed_bpp"] == row["xla_accessed_bpp"]
     assert row["host_syncs"] == 0, (masters, moments, row["host_syncs"])
     assert row["compiles"] == 1, (masters, moments)
     # The state the step carries: the same bytes as the memory table's, up to
     # the tree's small leaves, which stay float32.
     assert row["state_bpp"] >= MASTER_BPP[masters] + MOMENTS_BPP[moments] - 0.01
+
+
+def test_one_element_reads_are_counted_as_xla_charges_them():
+  """XLA charges a kernel that returns one element of a computed array its
+  operands whole; ``one_element_read_bytes`` finds what it charges beyond
+  the element, and nothing where no kernel reads one element."""
+  if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks import common
+
+  x = jnp.ones((256, 256), jnp.float32)
+  with_read = jax.jit(lambda x: (x * 2, jnp.ravel(x * 2)[:1])).lower(x).compile()
+  alone = jax.jit(lambda x: x * 2).lower(x).compile()
+  # The whole operand is charged for the one element read ...
+  assert common.bytes_accessed(with_read) - common.bytes_accessed(alone) >= x.nbytes
+  # ... and all of it but the element is what the benchmark takes off.
+  assert common.one_element_read_bytes(with_read.as_text()) == x.nbytes - 4
+  assert common.one_element_read_bytes(alone.as_text()) == 0
 
 
 def test_moments_report(moments_smoke):

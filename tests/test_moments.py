@@ -391,8 +391,17 @@ def test_sync_masters_keeps_the_compressed_moments():
 
 
 def _three_steps(moments, masters="full"):
-  """Three jitted, donated steps; the final state, and the big arrays the
-  compiled step copies."""
+  """Three jitted, donated steps; the final state, the big arrays the
+  compiled step copies, and the bytes it moves per parameter (XLA's count, as
+  ``benchmarks/moments.py`` reports it)."""
+  import pathlib
+  import sys
+
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  from benchmarks import common
+
   params = bf16_params()
   tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments)
 
@@ -402,7 +411,10 @@ def _three_steps(moments, masters="full"):
 
   state = tx.init(params)
   step = jax.jit(step, donate_argnums=(0, 1))
-  hlo = step.lower(params, state, grads_like(params, 0)).compile().as_text()
+  compiled = step.lower(params, state, grads_like(params, 0)).compile()
+  hlo = compiled.as_text()
+  n = sum(x.size for x in jax.tree.leaves(params))
+  moved = (common.bytes_accessed(compiled) - common.one_element_read_bytes(hlo)) / n
   copied = [
     s
     for s, dims in re.findall(r"= (\w+\[([\d,]+)\])\{[^}]*\} copy\(", hlo)
@@ -410,7 +422,7 @@ def _three_steps(moments, masters="full"):
   ]
   for k in range(3):
     params, state = step(params, state, grads_like(params, k))
-  return jax.device_get((params, state)), copied
+  return jax.device_get((params, state)), copied, moved
 
 
 _ONE_DEVICE = """
@@ -445,6 +457,13 @@ def test_in_a_one_device_process_compressed_moments_are_written_in_place(tmp_pat
     one_device = pickle.load(f)
   assert one_device["bfloat16"][1] == one_device["full"][1] == []
   assert one_device["8bit"][1] == []
+  # AdamW's float32 moments: 16 B/param read and written. bfloat16 halves
+  # that; 8 bits (codes and scales, about 4 B/param) must save at least 8,
+  # which needs each block's maxima computed without writing the new moment
+  # out in float32 (moment_codes._block_scales).
+  moved = {m: one_device[m][2] for m in one_device}
+  assert moved["bfloat16"] <= moved["full"] - 8, moved
+  assert moved["8bit"] <= moved["full"] - 8, moved
   for moments in ("bfloat16", "8bit"):
-    here, _ = _three_steps(moments, "remainder")
+    here, _, _ = _three_steps(moments, "remainder")
     assert tree_equal(one_device[moments][0], here)
