@@ -272,16 +272,19 @@ def _block_scales(blocked: jax.Array, signed: bool) -> jax.Array:
   moment computed from its old codes would be stored in float32 and read
   back. A two-result reduction XLA emits itself, with the computation of the
   moment fused into it (a 16M-element second moment, measured: 3.5 ms and 5
-  bytes an element against 14 ms and 13). Signed: the largest value and the
-  smallest, whose negation may be the largest magnitude; nonnegative: the
-  largest value, twice.
-  Both start from 0: an empty block's scale is 0, and under the nonnegative
-  code negative values do not count.
+  bytes an element against 14 ms and 13).
+
+  Signed: the largest value and the smallest, whose negation may be the
+  largest magnitude; nonnegative: the largest value, twice. Both start from
+  0: an empty block's scale is 0, and under the nonnegative code negative
+  values do not count.
   """
   zero = np.float32(0)
   second = jax.lax.min if signed else jax.lax.max
 
-  def reducer(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]):
+  def reducer(
+    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
+  ) -> tuple[jax.Array, jax.Array]:
     return jax.lax.max(a[0], b[0]), second(a[1], b[1])
 
   largest, other = jax.lax.reduce((blocked, blocked), (zero, zero), reducer, (blocked.ndim - 1,))
