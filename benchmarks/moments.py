@@ -474,20 +474,12 @@ def render(results: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; structure only")
-  parser.add_argument("--sizes", help=f"comma-separated param counts (default {DEFAULT_SIZES})")
-  parser.add_argument("--layers", type=int, help="blocks in the benchmark tree (default 4)")
-  parser.add_argument(
-    "--rounds",
-    type=int,
-    help=f"timing rounds (default {run_bench.DEFAULT_ROUNDS}; {run_bench.DEFAULT_ROUNDS_LARGE} "
-    f"from {run_bench.LARGE_PARAMS // 2**20}M params; 2 with --smoke)",
-  )
-  parser.add_argument(
-    "--steps", type=int, help="least steps per window (default 2; 1 with --smoke)"
-  )
-  parser.add_argument(
-    "--window", type=float, help="seconds a full-moment window should last (default 0.1)"
+  run_bench.add_timing_options(
+    parser,
+    DEFAULT_SIZES,
+    smoke_help="tiny sizes, seconds; structure only",
+    steps_help="least steps per window",
+    window_help="seconds a full-moment window should last (default 0.1)",
   )
   parser.add_argument(
     "--memory-shape",
@@ -505,16 +497,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", help="also write the markdown section to this file")
   parser.add_argument("--json", help="also write the raw results to this JSON file")
   args = parser.parse_args(argv)
-  smoke = args.smoke
-  args.sizes = [
-    run_bench.parse_size(s)
-    for s in (args.sizes or (SMOKE_SIZES if smoke else DEFAULT_SIZES)).split(",")
-  ]
-  args.layers = args.layers or (1 if smoke else 4)
-  if smoke and args.rounds is None:
-    args.rounds = 2
-  args.steps = args.steps or (1 if smoke else 2)
-  args.window = args.window if args.window is not None else (0.0 if smoke else 0.1)
+  run_bench.resolve_timing_options(args, DEFAULT_SIZES, SMOKE_SIZES)
   if args.memory_shape:
     try:
       rows, cols = (int(v) for v in args.memory_shape.lower().split("x"))
@@ -522,7 +505,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       parser.error(f"--memory-shape takes ROWSxCOLS, e.g. 4096x4096, not {args.memory_shape!r}")
     args.memory_shape = (rows, cols)
   else:
-    args.memory_shape = SMOKE_MEMORY_SHAPE if smoke else DEFAULT_MEMORY_SHAPE
+    args.memory_shape = SMOKE_MEMORY_SHAPE if args.smoke else DEFAULT_MEMORY_SHAPE
   return args
 
 

@@ -110,10 +110,19 @@ def parse_size(text: str) -> int:
   return int(value)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--smoke", action="store_true", help="tiny sizes and repeats; prints only")
-  parser.add_argument("--sizes", help=f"comma-separated param counts (default {DEFAULT_SIZES})")
+def add_timing_options(
+  parser: argparse.ArgumentParser,
+  default_sizes: str,
+  *,
+  smoke_help: str,
+  steps_help: str,
+  window_help: str,
+) -> None:
+  """The options every step-timing benchmark takes: ``--smoke``, ``--sizes``,
+  ``--layers``, ``--rounds``, ``--steps`` and ``--window``; defaults filled in
+  by :func:`resolve_timing_options`."""
+  parser.add_argument("--smoke", action="store_true", help=smoke_help)
+  parser.add_argument("--sizes", help=f"comma-separated param counts (default {default_sizes})")
   parser.add_argument("--layers", type=int, help="blocks in the benchmark tree (default 4)")
   parser.add_argument(
     "--rounds",
@@ -121,13 +130,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     help=f"timing rounds (default {DEFAULT_ROUNDS}; {DEFAULT_ROUNDS_LARGE} from "
     f"{LARGE_PARAMS // 2**20}M params; 2 with --smoke)",
   )
-  parser.add_argument(
-    "--steps", type=int, help="least steps per variant per round (default 2; 1 with --smoke)"
-  )
-  parser.add_argument(
-    "--window",
-    type=float,
-    help="seconds the baseline's steps should last in each round (default 0.1); "
+  parser.add_argument("--steps", type=int, help=f"{steps_help} (default 2; 1 with --smoke)")
+  parser.add_argument("--window", type=float, help=window_help)
+
+
+def resolve_timing_options(args: argparse.Namespace, default_sizes: str, smoke_sizes: str) -> None:
+  """Fills in the defaults of :func:`add_timing_options`' options, smaller
+  under ``--smoke``; ``--sizes`` becomes a list of param counts."""
+  smoke = args.smoke
+  args.sizes = [
+    parse_size(s) for s in (args.sizes or (smoke_sizes if smoke else default_sizes)).split(",")
+  ]
+  args.layers = args.layers or (1 if smoke else 4)
+  if smoke and args.rounds is None:
+    args.rounds = 2
+  args.steps = args.steps or (1 if smoke else 2)
+  args.window = args.window if args.window is not None else (0.0 if smoke else 0.1)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_timing_options(
+    parser,
+    DEFAULT_SIZES,
+    smoke_help="tiny sizes and repeats; prints only",
+    steps_help="least steps per variant per round",
+    window_help="seconds the baseline's steps should last in each round (default 0.1); "
     "small sizes then run more steps per round",
   )
   parser.add_argument(
@@ -186,14 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.allocator_runs, args.out_dir, args.install_peers = False, "", False
   if args.allocator_runs is None:
     args.allocator_runs = args.variants is None
-  args.sizes = [
-    parse_size(s) for s in (args.sizes or (SMOKE_SIZES if smoke else DEFAULT_SIZES)).split(",")
-  ]
-  args.layers = args.layers or (1 if smoke else 4)
-  if smoke and args.rounds is None:
-    args.rounds = 2
-  args.steps = args.steps or (1 if smoke else 2)
-  args.window = args.window if args.window is not None else (0.0 if smoke else 0.1)
+  resolve_timing_options(args, DEFAULT_SIZES, SMOKE_SIZES)
   args.compile_repeats = args.compile_repeats or (1 if smoke else 3)
   if args.many_leaves is None:
     args.many_leaves = SMOKE_MANY_LEAVES if smoke else MANY_LEAVES
