@@ -343,6 +343,8 @@ def compile_seconds(cases: Sequence[Case], repeats: int, seed: int = 0) -> dict[
   return out
 
 
+# The first line of a computation in HLO text: its name, then its signature.
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? ([a-z][a-z0-9-]*)\(")
 
 
@@ -364,7 +366,7 @@ def hlo_profile(compiled: Any) -> dict[str, int]:
     branch_names.update(match.groups())
   computation = None
   for line in text.splitlines():
-    header = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+    header = _COMPUTATION.match(line)
     if header:
       computation = header.group(1)
       continue
@@ -424,7 +426,7 @@ def one_element_read_bytes(hlo_text: str) -> int:
   computations: dict[str, str] = {}
   name = None
   for line in hlo_text.splitlines():
-    header = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+    header = _COMPUTATION.match(line)
     if header:
       name = header.group(1)
       computations[name] = ""
