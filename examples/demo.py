@@ -97,6 +97,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import importlib.metadata
+import json
 import os
 import pathlib
 import platform
@@ -233,7 +234,7 @@ DEFAULT = dict(
   steps=800,
   warmup=40,
   chunk=50,
-  eval_windows=1024,
+  eval_windows=4096,
   growth_interval=100,
 )
 SMOKE = dict(
@@ -700,7 +701,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     type=int,
     help=f"fp16 loss scale: finite steps before it doubles ({DEFAULT['growth_interval']})",
   )
-  parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+  parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (1e-3)")
   parser.add_argument(
     "--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (0.1)"
   )
@@ -731,12 +732,33 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
   )
   parser.add_argument("--no-check", action="store_true", help="report only; always exit 0")
   parser.add_argument(
+    "--rows",
+    help="train only these rows, comma-separated names (fp32, the reference, always; a row "
+    "that must equal another brings that one along): for cheaper experiments",
+  )
+  parser.add_argument(
+    "--json",
+    type=pathlib.Path,
+    help="also write the run's settings, per-row losses and gaps and the checks to this file",
+  )
+  parser.add_argument(
     "--readme",
     type=pathlib.Path,
     help="write this run's table into the results block of this file (README.md)",
   )
   args = parser.parse_args(argv)
   args.smoke = args.smoke or os.environ.get("MPX_SMOKE", "") not in ("", "0")
+  if args.rows is None:
+    args.rows = list(ROWS)
+  else:
+    names = {name.strip() for name in args.rows.split(",") if name.strip()}
+    unknown = names - set(MODES)
+    if unknown:
+      parser.error(f"--rows: unknown {sorted(unknown)}; the rows are {', '.join(MODES)}")
+    names |= {ROWS[0].name, *(ROW_BY_NAME[n].same_as for n in names if ROW_BY_NAME[n].same_as)}
+    args.rows = [row for row in ROWS if row.name in names]
+    if args.readme and len(args.rows) < len(ROWS):
+      parser.error("--readme needs every row: not with --rows")
   if args.readme and (args.smoke or args.no_check):
     # The block states the bounds the checks enforce: they must have run.
     parser.error("--readme needs a checked run: not with --smoke, MPX_SMOKE or --no-check")
@@ -799,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     f"bytes of stdlib source ({jax.default_backend()})"
   )
 
-  prepared = [prepare(row, settings, data, fp32_params) for row in ROWS]
+  prepared = [prepare(row, settings, data, fp32_params) for row in args.rows]
   print(f"compiling the {len(prepared)} rows' training steps...", file=sys.stderr)
   compile_seconds = compile_all(prepared)
   results = [train(p, settings, data) for p in prepared]
@@ -813,6 +835,9 @@ def main(argv: list[str] | None = None) -> int:
   print(f"plot: {args.out}")
   seconds = time.perf_counter() - start
   print(f"wall time: {seconds:.0f} s ({compile_seconds:.0f} s compiling the steps) on {machine()}")
+  if args.json:
+    write_json(args.json, settings, results, checks, ok, seconds, compile_seconds)
+    print(f"wrote {args.json}")
   if args.readme:
     write_readme_block(
       args.readme, report, results, seconds, argv, tolerance=args.tolerance, min_gap=args.min_gap
@@ -853,6 +878,51 @@ def machine() -> str:
   details = "; ".join(x for x in (model, features) if x)
   cpu = f"{os.cpu_count()}-core {platform.machine()} CPU"
   return f"a {cpu}{f' ({details})' if details else ''}, {versions}"
+
+
+def write_json(
+  path: pathlib.Path,
+  settings: Settings,
+  results: list[Result],
+  checks: list[str],
+  ok: bool,
+  seconds: float,
+  compile_seconds: float,
+) -> None:
+  """Writes the run to ``path`` as JSON, for scripts (``benchmarks/demo_matrix.py``):
+  its settings, where it ran (``XLA_FLAGS`` included), each row's losses, gap
+  to FP32 and bounds, the check lines and whether they all hold."""
+  reference = results[0]
+  rows = []
+  for r in results:
+    row = ROW_BY_NAME[r.mode]
+    rows.append(
+      dict(
+        mode=r.mode,
+        param_dtype=r.param_dtype,
+        train_loss=r.train_loss,
+        val_loss=r.val_loss,
+        gap=relative_gap(r, reference),
+        tolerance=row.tolerance,
+        worse_by=row.worse_by,
+        same_as=row.same_as,
+        state_bytes_per_param=r.state_bytes_per_param,
+        skipped_steps=r.skipped_steps,
+        tokens_per_s=r.tokens_per_s,
+      )
+    )
+  record = dict(
+    settings=dataclasses.asdict(settings),
+    xla_flags=os.environ.get("XLA_FLAGS", ""),
+    machine=machine(),
+    seconds=seconds,
+    compile_seconds=compile_seconds,
+    rows=rows,
+    checks=checks,
+    ok=ok,
+  )
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(record, indent=1) + "\n")
 
 
 README_START = "<!-- demo-results:start (written by examples/demo.py --readme README.md) -->"
