@@ -4,6 +4,7 @@ and its self-check, in process, on made-up results."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import subprocess
 import sys
@@ -155,7 +156,7 @@ def test_check_fails_when_claims_do_not_hold(tmp_path):
 
 
 def test_default_size_run_passes_its_checks(tmp_path):
-  # The main job as a user runs it (4 to 6 minutes on 2 cores): every claim
+  # The main job as a user runs it (2 to 3 minutes on 2 cores): every claim
   # the demo makes must hold at its default size, not only at the smoke size.
   result = run_demo("--out", str(tmp_path / "demo.png"))
   assert result.returncode == 0, result.stdout + result.stderr
@@ -389,6 +390,43 @@ def test_readme_needs_a_checked_full_size_run(demo, flag, monkeypatch, capsys):
   with pytest.raises(SystemExit):
     demo.parse_args(["--readme", "README.md", flag])
   assert "--readme needs a checked run" in capsys.readouterr().err
+
+
+def test_rows_selects_rows_with_the_reference_and_what_they_must_equal(demo, monkeypatch):
+  monkeypatch.delenv("MPX_SMOKE", raising=False)
+  _, args = demo.parse_args(["--rows", "bf16+mpx remainder, bf16 no masters"])
+  assert [row.name for row in args.rows] == [
+    "fp32",
+    "bf16+mpx",
+    "bf16+mpx remainder",
+    "bf16 no masters",
+  ]
+  assert [row.name for row in demo.parse_args([])[1].rows] == list(MODES)
+
+
+@pytest.mark.parametrize("argv", [["--rows", "bf16"], ["--rows", "fp32", "--readme", "README.md"]])
+def test_rows_rejects_unknown_names_and_a_partial_readme(demo, argv, monkeypatch, capsys):
+  monkeypatch.delenv("MPX_SMOKE", raising=False)
+  with pytest.raises(SystemExit):
+    demo.parse_args(argv)
+  assert "--rows" in capsys.readouterr().err
+
+
+def test_json_record_has_each_row_s_gap_and_bound(demo, tmp_path, monkeypatch):
+  monkeypatch.delenv("MPX_SMOKE", raising=False)
+  settings, _ = demo.parse_args(["--seed", "3"])
+  results = made_up_results(demo, {"bf16 no masters": 1.05})
+  ok, checks = demo.check(results)
+  path = tmp_path / "run.json"
+  demo.write_json(path, settings, results, checks, ok, 12.5, 3.0)
+  record = json.loads(path.read_text())
+  assert record["ok"] is True and record["checks"] == checks
+  assert record["settings"]["seed"] == 3 and record["settings"]["opt"]["peak_lr"] == 1e-3
+  rows = {row["mode"]: row for row in record["rows"]}
+  assert list(rows) == list(MODES)
+  assert rows["bf16 no masters"]["gap"] == pytest.approx(0.05)
+  assert rows["bf16 no masters"]["worse_by"] == 0.02
+  assert rows["bf16 stochastic"]["tolerance"] == 0.02 and rows["bf16+mpx"]["tolerance"] == 0.01
 
 
 def test_readme_block_needs_both_markers(demo, tmp_path):
