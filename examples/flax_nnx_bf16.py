@@ -5,11 +5,14 @@ synthetic data drawn fresh for every step). Its parameters are created in
 bfloat16 (``param_dtype``) and its forward and backward pass run in bfloat16;
 the optimizer is
 
-  ``nnx.Optimizer(model, mpx.mixed_precision(optax.adamw(...)), wrt=nnx.Param)``
+  ``nnx.Optimizer(model, mpx.mixed_precision(optax.adamw(...), masters="remainder",
+  moments="8bit"), wrt=nnx.Param)``
 
-so the float32 masters and AdamW's float32 moments live in
-``optimizer.opt_state``, and ``optimizer.update(model, grads)`` writes the
-rounded masters back into the bfloat16 model. bfloat16 has float32's exponent
+so the float32 masters (as the 16 bits bfloat16 lacks) and AdamW's moments
+(8 bits an element with a scale per block; AdamW itself runs in float32) live
+in ``optimizer.opt_state``: 4 bytes of state per parameter instead of 12, the
+same training as ``masters="full"`` for the masters. ``optimizer.update(model,
+grads)`` writes the rounded masters back into the bfloat16 model. bfloat16 has float32's exponent
 range, so no loss scaling is needed (for float16, wrap the rule in
 ``mpx.loss_scale`` and return ``mpx.scale_loss(loss, optimizer.opt_state)``
 from the loss function; see ``examples/flax_linen_fp16.py``).
@@ -26,11 +29,13 @@ Run from the repository root::
   python examples/flax_nnx_bf16.py               # default size: ~15 s on 2 CPU cores
   MPX_SMOKE=1 python examples/flax_nnx_bf16.py   # tiny size, mostly compilation
   python examples/flax_nnx_bf16.py --steps 2000 --width 256
+  python examples/flax_nnx_bf16.py --masters full --moments full   # 12 B/param
 
 The script ends with self-checks (the validation loss fell, the bfloat16
 params are the masters rounded as mpx documents, ties away from zero, the
-masters hold bits that bfloat16 cannot,
-AdamW's moments are float32) and exits with status 1 if one fails.
+masters hold bits that bfloat16 cannot, AdamW's large moments are stored as
+``--moments`` says and ``mpx.inner_state`` gives them back in float32) and
+exits with status 1 if one fails.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ FEATURES = 16  # inputs of the regression
 OUTPUTS = 4  # outputs of the regression
 SEED = 0
 PyTree = Any
+# How each --moments stores a first moment as large as the hidden layer's
+# kernel (nnx keeps these types through every optimizer.update).
+STORED_MOMENT = {"full": jax.Array, "bfloat16": mpx.Bfloat16Moment, "8bit": mpx.Signed8bitMoment}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +72,8 @@ class Size:
   batch: int
   width: int
   log_every: int
+  masters: str = "remainder"
+  moments: str = "8bit"
 
 
 DEFAULT_SIZE = Size(steps=800, batch=128, width=128, log_every=100)
@@ -217,11 +227,17 @@ def parse_args(argv: list[str] | None) -> Size:
   parser.add_argument("--steps", type=int, default=preset.steps, help="training steps")
   parser.add_argument("--batch", type=int, default=preset.batch, help="examples per step")
   parser.add_argument("--width", type=int, default=preset.width, help="hidden layer width")
+  parser.add_argument(
+    "--masters", choices=("full", "remainder"), default="remainder", help="master storage"
+  )
+  parser.add_argument(
+    "--moments", choices=("full", "bfloat16", "8bit"), default="8bit", help="moment storage"
+  )
   args = parser.parse_args(argv)
   if min(args.steps, args.batch, args.width) < 1:
     parser.error("--steps, --batch and --width must be >= 1")
   log_every = min(preset.log_every, args.steps)
-  return Size(steps=args.steps, batch=args.batch, width=args.width, log_every=log_every)
+  return Size(args.steps, args.batch, args.width, log_every, args.masters, args.moments)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,13 +247,20 @@ def main(argv: list[str] | None = None) -> int:
 
   model = MLP(size.width, jnp.bfloat16, nnx.Rngs(SEED))
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, max(1, size.steps // 20), size.steps)
-  tx = mpx.mixed_precision(optax.adamw(schedule, weight_decay=1e-4))
+  adamw = optax.adamw(schedule, weight_decay=1e-4)
+  tx = mpx.mixed_precision(adamw, masters=size.masters, moments=size.moments)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   initial_val = float(val_loss(model, x_val, y_val))
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.as_pure(optimizer.opt_state)))
   print(
     f"bfloat16 nnx MLP (width {size.width}) on a synthetic regression: "
     f"{size.steps} steps x {size.batch} examples; validation loss {initial_val:.4f} at step 0"
+  )
+  print(
+    f'masters="{size.masters}", moments="{size.moments}": '
+    f"{state_bytes / n_params:.2f} bytes of optimizer state per parameter"
   )
   print(f"{'step':>6}{'loss':>10}")
   data = batches(size.batch, SEED)
@@ -262,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     f"step {probe_step}: {lost_share:.1%} of the weight updates were below half a bfloat16 ulp "
     "of their weight:\n  kept by the float32 masters, rounded away with plain bfloat16 weights"
   )
-  adam = nnx.as_pure(optimizer.opt_state).inner_state[0]  # adamw = chain(adam, decay, lr)
+  state = nnx.as_pure(optimizer.opt_state)
+  stored = state.inner_state[0]  # adamw = chain(adam, decay, lr)
+  adam = mpx.inner_state(state)[0]  # the moments decompressed, as optax.adamw holds them
 
   checks = {
     "validation loss fell by more than half": final_val < 0.5 * initial_val,
@@ -273,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     ),
     "params are exactly the rounded masters": bitwise_equal(params, rounded_ties_away(masters)),
     "the masters kept updates that bfloat16 weights would have lost": lost_share > 0,
-    "AdamW's moments are float32": (
-      isinstance(adam, optax.ScaleByAdamState) and dtypes((adam.mu, adam.nu)) == {"float32"}
+    f"AdamW's moments are stored as moments={size.moments!r}, read back in float32": (
+      isinstance(adam, optax.ScaleByAdamState)
+      and dtypes((adam.mu, adam.nu)) == {"float32"}
+      and isinstance(stored.mu["dense2"]["kernel"], STORED_MOMENT[size.moments])
     ),
     "optimizer.step counts every step": int(optimizer.step[...]) == size.steps,
   }

@@ -68,6 +68,11 @@ def test_flax_nnx_bf16():
   assert len(checks) == 6, result.stdout
   assert "params are exactly the rounded masters" in checks
   assert "bfloat16 nnx MLP (width 128)" in result.stdout
+  assert "AdamW's moments are stored as moments='8bit', read back in float32" in checks
+  # 12 B/param with full masters and moments; here the hidden kernel's moments
+  # take about 1 B each, the small leaves' 4 (16x128 and 128x4 are < 4,096).
+  state = re.search(r'moments="8bit": ([\d.]+) bytes of optimizer state', result.stdout)
+  assert state and float(state.group(1)) < 6, result.stdout
   assert re.search(r"float32 masters\)$", result.stdout, re.M), result.stdout
   assert "rounded away with plain bfloat16 weights" in result.stdout
 

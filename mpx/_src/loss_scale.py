@@ -233,11 +233,7 @@ def _loss_scaling(
     return rule.initial_state(inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
-    if not isinstance(state, LossScaleState):
-      raise TypeError(
-        f"loss_scale.update got a state of type {type(state).__name__}, not "
-        "LossScaleState: pass the state made by this transformation's init."
-      )
+    validation.check_state_type("loss_scale", state, LossScaleState)
     rule.check_state(state)
     # The scale this step's loss was multiplied by, not the one about to be chosen.
     unscaling = verdict.Unscaling(_inverse(state.loss_scale), rule.min_scale >= 1.0, axis_name)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import full_precision, skip, state_search, storage, validation, verdict
+from mpx._src import full_precision, skip, state_search, storage, validation, variables, verdict
 from mpx._src import moments as moments_lib
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
@@ -163,9 +163,10 @@ def mixed_precision(
       kind.compress(value, applied)
       for kind, value in zip(moments_format.kinds(inner_state), flat_inner, strict=True)
     ]
-    return mode.state(
+    state = mode.state(
       treedef.unflatten(stored), applied, nonfinite, inner_treedef.unflatten(stored_inner)
     )
+    return variables.fit_variables(state)
 
   def update_fn(
     updates: optax.Updates,
@@ -180,7 +181,7 @@ def mixed_precision(
       raise ValueError(
         "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
       )
-    _check_state_type(state, mode)
+    validation.check_state_type("mixed_precision", state, mode.state_type)
     leaves = _Leaves.align(mode, dtype, updates, params, mode.stored(state))
     inner_like = jax.eval_shape(inner.init, leaves.tree(leaves.master_shapes()))
     inner_kinds = moments_format.kinds(inner_like)
@@ -412,15 +413,6 @@ def _check_seed(seed: Any) -> int:
     raise ValueError(f"mixed_precision: seed must be an integer, got {seed!r}.") from error
 
 
-def _check_state_type(state: Any, mode: storage.Mode) -> None:
-  if not isinstance(state, mode.state_type):
-    raise TypeError(
-      "mixed_precision.update got a state of type "
-      f"{type(state).__name__}, not {mode.state_type.__name__}: pass the state made "
-      "by this transformation's init."
-    )
-
-
 def _require_dtype_enabled(dtype: Any) -> None:
   # Checked at init, not at construction: x64 may be switched on in between.
   if jax.dtypes.canonicalize_dtype(dtype) != dtype:
@@ -479,7 +471,10 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
     try:
       result = jax.tree.map(view, mode.stored(state), result, is_leaf=tree_lib.no_master)
     except ValueError as error:
-      raise ValueError("master_params: params do not match the masters in opt_state.") from error
+      raise ValueError(
+        "master_params: params do not match the masters in opt_state: pass the params "
+        "as the state was made for them (under nnx: nnx.as_pure(nnx.state(model, wrt)))."
+      ) from error
   return result
 
 

@@ -256,10 +256,11 @@ def _select(x: jax.Array, bounds: list[int], values: list[int]) -> jax.Array:
   """Per element of ``x`` (int32), ``values[r]`` for the first region ``r``
   whose lower bound ``bounds[r]`` (descending) it reaches, else
   ``values[-1]``."""
-  out = jnp.full(x.shape, values[-1], jnp.int32)
+  # full_like, not full: under explicit sharding it takes x's sharding.
+  out = jnp.full_like(x, values[-1], jnp.int32)
   for bound, value in zip(reversed(bounds), reversed(values[:-1]), strict=True):
     inside = jax.lax.ge(x, np.int32(bound))
-    out = jax.lax.select(inside, jnp.full(x.shape, value, jnp.int32), out)
+    out = jax.lax.select(inside, jnp.full_like(x, value, jnp.int32), out)
   return out
 
 

@@ -5,7 +5,7 @@ docs/guarantees.md). All of them run at trace time: none costs a step anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -146,6 +146,22 @@ def check_updates_reduced(name: str, updates: Any, params: Any) -> None:
 
 def _signature(leaf: Any) -> tuple[tuple[int, ...], Any]:
   return (tuple(np.shape(leaf)), tree_lib.leaf_dtype(leaf))
+
+
+def check_state_type(name: str, state: Any, state_type: type) -> None:
+  """``state`` must be a ``state_type``; a dict gets the fix for a checkpoint
+  restored without a target, which is how one usually arrives."""
+  if isinstance(state, state_type):
+    return
+  hint = "pass the state made by this transformation's init."
+  if isinstance(state, Mapping):
+    hint = (
+      "a checkpoint restored without a target comes back as dicts: restore it with the "
+      "state from tx.init as the target (orbax: checkpointer.restore(path, target))."
+    )
+  raise TypeError(
+    f"{name}.update got a state of type {type(state).__name__}, not {state_type.__name__}: {hint}"
+  )
 
 
 def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> None:
