@@ -14,16 +14,19 @@ os.environ["XLA_FLAGS"] = (
 import pytest
 
 
-@pytest.fixture(params=["one CPU device", "several devices"])
+@pytest.fixture(params=["one CPU device", "several devices", "GPU form"])
 def finite_check_form(request, monkeypatch):
-  """Runs a test under both forms of ``mpx.all_finite``.
+  """Runs a test under each form of the finite check and the skip.
 
   The test process simulates 8 devices, where every leaf is reduced whole; on
   one CPU device (the demo, the benchmarks, most users' laptops) leaves are
-  summed or folded instead (see mpx/_src/finite.py). The skip guarantees must
-  hold in both.
+  summed or folded instead (see mpx/_src/finite.py). Both skip inside a
+  ``lax.cond``. A program lowered for a GPU checks every leaf whole and skips
+  by a select instead (mpx/_src/skip.py): "GPU form" runs that program on
+  the CPU. The skip guarantees must hold in all three.
   """
-  from mpx._src import finite
+  from mpx._src import finite, skip
 
   monkeypatch.setattr(finite, "_single_cpu_device", lambda: request.param == "one CPU device")
+  monkeypatch.setattr(skip, "_select_on_cpu", lambda: request.param == "GPU form")
   return request.param

@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 import mpx
-from mpx._src import finite
+from mpx._src import finite, skip
 from mpx._src.states import COMPRESSED_MOMENTS
 
 # MPX_LONG=1 selects thousands of steps and more seeds (see docs/guarantees.md).
@@ -254,11 +254,14 @@ def compiled_run(
   One per configuration and per form of the finite check (the
   ``finite_check_form`` fixture switches it; a jitted function traced under
   one form would keep it)."""
-  return _compiled_run(stack, config, masters, moments, finite._single_cpu_device())
+  form = (finite._single_cpu_device(), skip._select_on_cpu())
+  return _compiled_run(stack, config, masters, moments, form)
 
 
 @functools.cache
-def _compiled_run(stack: str, config: ScaleConfig, masters: str, moments: str, form: bool):
+def _compiled_run(
+  stack: str, config: ScaleConfig, masters: str, moments: str, form: tuple[bool, bool]
+):
   del form  # a cache key only
   tx = make_tx(stack, config, masters=masters, moments=moments)
 

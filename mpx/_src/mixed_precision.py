@@ -228,7 +228,11 @@ def mixed_precision(
       count = state.applied_steps
       if jax.device_count() == 1 and any(k.compressed for k in inner_kinds):
         kept = [v for v, k in zip(new_inner_flat, inner_kinds, strict=True) if not k.compressed]
-        count = count + _after(new_stored + handed_out + kept)
+        # An XLA:CPU ordering (see _after); other platforms order the writes themselves.
+        zero = jax.lax.platform_dependent(
+          new_stored + handed_out + kept, cpu=_after, default=lambda _: jnp.zeros((), jnp.int32)
+        )
+        count = count + zero
       new_stored_inner = [
         kind.compress(value, count) for kind, value in zip(inner_kinds, new_inner_flat, strict=True)
       ]

@@ -1,10 +1,4 @@
-"""Skipping a step on device: one ``lax.cond`` over the state.
-
-``lax.cond`` runs only the branch it takes, so an applied step costs the
-update alone and its state is written in place (a ``jnp.where`` over the state
-would compute both sides and copy), while a skipped step costs nothing but the
-finite check. The predicate stays on device: no host sync.
-"""
+"""Skipping a step on device: a ``lax.cond`` on CPUs, a select elsewhere."""
 
 from __future__ import annotations
 
@@ -12,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 
@@ -21,38 +16,83 @@ def apply_if_finite(
   state: Any,
   *args: Any,
 ) -> tuple[Any, Any, jax.Array]:
-  """``step(state, *args)`` where ``finite`` holds, else the state unchanged.
+  """Runs ``step(state, *args)`` where ``finite`` holds, else keeps ``state``.
+
+  The form is chosen by the platform the step is lowered for
+  (``jax.lax.platform_dependent``), not by the process's devices. XLA:CPU
+  runs a ``lax.cond`` in place and only the branch it takes, so a skipped
+  step costs the finite check alone. XLA:GPU runs a ``conditional`` by
+  copying the predicate to the host and waiting for the stream, so on every
+  other platform the step always runs and its results are selected with
+  ``jnp.where``: no host sync, one program of fused kernels, and the results
+  bitwise those of the cond (a select returns the chosen value's bits).
+  ``step`` is traced once for both forms.
 
   Args:
     finite: scalar bool array.
     step: ``step(state, *args) -> (new_state, outputs)``; ``new_state`` must
-      have the types of ``state`` (the skipped branch returns ``state``), which
-      ``step`` checks with :func:`validation.check_state_types_kept` to name
-      the leaf of the inner rule's state that changed.
+      have the types of ``state``, which ``step`` checks with
+      :func:`validation.check_state_types_kept` to name the leaf of the inner
+      rule's state that changed.
     state: what ``step`` updates; returned as it is on a skipped step.
     *args: further arguments of ``step``.
 
   Returns:
     ``(new_state, outputs, applied)``: ``step``'s results, or ``state`` and
-    zeros like ``outputs`` on a skipped step. ``applied`` equals ``finite`` but
-    is an output of the cond: use it after the cond. XLA fuses a computed
-    predicate into each consumer, and with one consumer per parameter leaf
-    the fusion pass became quadratic in the number of leaves.
+    zeros like ``outputs`` on a skipped step. ``applied`` equals ``finite``;
+    on CPUs it is an output of the cond: use it after the cond. XLA fuses a
+    computed predicate into each consumer, and with one consumer per
+    parameter leaf the fusion pass became quadratic in the number of leaves.
   """
+  traced = _traced_once(step, state, args)
+  if _select_on_cpu():
+    return _by_select(finite, traced, state, args)
+  return jax.lax.platform_dependent(
+    finite,
+    state,
+    args,
+    cpu=lambda finite, state, args: _by_cond(finite, traced, state, args),
+    default=lambda finite, state, args: _by_select(finite, traced, state, args),
+  )
+
+
+def _traced_once(step: Callable[..., tuple[Any, Any]], state: Any, args: tuple[Any, ...]) -> Any:
+  """``step`` as a jitted function of its flat inputs and what it closes over:
+  called in both forms with the same shapes, it is traced (and the inner rule
+  run in Python) once, where two forms of ``step`` itself would trace twice."""
+  closed, out_shapes = jax.make_jaxpr(lambda s, a: step(s, *a), return_shape=True)(state, args)
+  out_tree = jax.tree.structure(out_shapes)
+  run = jax.jit(jax.extend.core.jaxpr_as_fun(closed))
+
+  def traced(state: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((state, args))))
+
+  return traced
+
+
+def _select_on_cpu() -> bool:
+  """The tests' switch (tests/conftest.py): True runs the select form on the
+  CPU too, so the suites check what GPUs run against what CPUs run."""
+  return False
+
+
+def _by_cond(
+  finite: jax.Array, step: Callable[..., tuple[Any, Any]], state: Any, args: tuple[Any, ...]
+) -> tuple[Any, Any, jax.Array]:
   outputs_like = []
 
   def apply(state, args):
-    new_state, outputs = step(state, *args)
+    new_state, outputs = step(state, args)
     # JAX traces this branch first, so the other one can build its zeros from
     # these shapes instead of tracing the step a second time.
-    outputs_like.append(jax.tree.map(_shape_of, outputs))
+    outputs_like.append(jax.tree.map(jax.ShapeDtypeStruct.like, outputs))
     return new_state, outputs, jnp.asarray(True)
 
   def skip(state, args):
     if outputs_like:
       like = outputs_like[-1]
     else:
-      like = jax.eval_shape(lambda state, args: step(state, *args)[1], state, args)
+      like = jax.eval_shape(lambda state, args: step(state, args)[1], state, args)
     # zeros_like keeps the sharding the shapes record, as cond requires of
     # both branches on explicit meshes.
     return state, jax.tree.map(jnp.zeros_like, like), jnp.asarray(False)
@@ -60,20 +100,10 @@ def apply_if_finite(
   return jax.lax.cond(finite, apply, skip, state, args)
 
 
-def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
-  """``jax.ShapeDtypeStruct.like(x)`` (shape, dtype, sharding, manual axes),
-  spelled out for jax releases that lack it (before 0.10.2)."""
-  like = getattr(jax.ShapeDtypeStruct, "like", None)
-  if like is not None:
-    return like(x)
-  aval: Any = jax.typeof(x)
-  sharding = getattr(aval, "sharding", None)
-  if sharding is not None and sharding.mesh.empty:
-    sharding = None
-  extra = {}
-  mat = getattr(aval, "mat", None)
-  if mat is not None and not mat.empty:
-    extra["manual_axis_type"] = mat
-  return jax.ShapeDtypeStruct(
-    aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type, **extra
-  )
+def _by_select(
+  finite: jax.Array, step: Callable[..., tuple[Any, Any]], state: Any, args: tuple[Any, ...]
+) -> tuple[Any, Any, jax.Array]:
+  new_state, outputs = step(state, args)
+  kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+  zeroed = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), outputs)
+  return kept, zeroed, finite

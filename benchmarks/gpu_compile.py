@@ -1,0 +1,317 @@
+"""What XLA would run on an H100, compiled on this machine without one.
+
+Compiles one optimizer step (update + ``optax.apply_updates``, params and
+state donated) per mode for an NVIDIA H100 (deviceless ahead-of-time
+compilation: ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at jax's version,
+installed ``--no-deps``) and reads the optimized HLO: conditionals (each one a
+host sync on XLA:GPU), kernels, bytes each kernel reads and writes per
+parameter, copies, and the scratch XLA allocates. Compiled, not run.
+
+  python benchmarks/gpu_compile.py                 # 26 leaves, 67M params
+  python benchmarks/gpu_compile.py --scale 0.01    # the same tree, small
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import mpx
+
+TARGET = pathlib.Path(__file__).parent / "gpu" / "h100_sxm.txtpb"
+# Kernels: what the host launches. Bytes are their operands and results.
+KERNEL_OPS = ("fusion", "custom-call", "copy", "copy-start", "all-gather", "all-reduce")
+_BYTES = {
+  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\((.*)$")
+# Floors from the mode's storage (a memory-bound step cannot go below them):
+# grads read twice (check, update) 4, params read and written 4, plus what the
+# mode stores, read and written.
+FLOORS = {
+  "optax adamw, float32 params": 28,
+  "hand-written float32 masters, select skip": 32,
+  "mpx full": 32,
+  "mpx remainder": 28,
+  "mpx stochastic": 24,
+  "mpx full + bfloat16 moments": 24,
+  "mpx full + 8bit moments": 22,
+  "mpx remainder + 8bit moments": 18,
+  "mpx stochastic + 8bit moments": 14,
+  "mpx loss_scale(full), fp16": 32,
+  # float32 params: grads (4 B) read twice, params and Adam's moments read and written.
+  "mpx loss_scale(adamw), float32 params": 32,
+}
+
+
+def topology(devices: int = 1) -> Any:
+  from jax.experimental import topologies
+
+  return topologies.get_topology_desc(
+    platform="cuda",
+    topology_name="",
+    target_config=TARGET.read_text(),
+    topology=f"1x1x{devices}",
+  )
+
+
+def model_shapes(scale: float = 1.0) -> dict[str, tuple[int, ...]]:
+  """A 4-layer transformer's 26 leaves: 67M params at scale 1."""
+  d = max(16, int(1024 * scale**0.5) // 16 * 16)
+  shapes: dict[str, tuple[int, ...]] = {"embed": (16 * d, d), "final_norm": (d,)}
+  for i in range(4):
+    shapes |= {
+      f"l{i}/qkv": (d, 3 * d),
+      f"l{i}/out": (d, d),
+      f"l{i}/up": (d, 4 * d),
+      f"l{i}/down": (4 * d, d),
+      f"l{i}/norm1": (d,),
+      f"l{i}/norm2": (d,),
+    }
+  return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  name: str
+  param_dtype: Any
+  make: Callable[[], optax.GradientTransformation]
+
+
+def hand_written_masters(lr: float = 1e-3) -> optax.GradientTransformation:
+  """Float32 masters and AdamW on them, a skip by ``jnp.where``: the reference."""
+  adamw = optax.adamw(lr)
+
+  def init(params):
+    masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return masters, adamw.init(masters)
+
+  def update(grads, state, params):
+    masters, inner = state
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+    updates, new_inner = adamw.update(grads, inner, masters)
+    new_masters = optax.apply_updates(masters, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_masters = jax.tree.map(keep, new_masters, masters)
+    new_inner = jax.tree.map(keep, new_inner, inner)
+    rounded = lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p  # noqa: E731
+    return jax.tree.map(rounded, new_masters, params), (new_masters, new_inner)
+
+  return optax.GradientTransformation(init, update)
+
+
+def variants() -> list[Variant]:
+  bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+  mp = lambda **kw: lambda: mpx.mixed_precision(optax.adamw(1e-3), **kw)  # noqa: E731
+  return [
+    Variant("optax adamw, float32 params", f32, lambda: optax.adamw(1e-3)),
+    Variant("hand-written float32 masters, select skip", bf16, hand_written_masters),
+    Variant("mpx full", bf16, mp()),
+    Variant("mpx remainder", bf16, mp(masters="remainder")),
+    Variant("mpx stochastic", bf16, mp(masters="stochastic")),
+    Variant("mpx full + bfloat16 moments", bf16, mp(moments="bfloat16")),
+    Variant("mpx full + 8bit moments", bf16, mp(moments="8bit")),
+    Variant("mpx remainder + 8bit moments", bf16, mp(masters="remainder", moments="8bit")),
+    Variant("mpx stochastic + 8bit moments", bf16, mp(masters="stochastic", moments="8bit")),
+    Variant(
+      "mpx loss_scale(full), fp16",
+      f16,
+      lambda: mpx.loss_scale(mpx.mixed_precision(optax.adamw(1e-3))),
+    ),
+    Variant(
+      "mpx loss_scale(adamw), float32 params",
+      f32,
+      lambda: mpx.loss_scale(optax.adamw(1e-3)),
+    ),
+  ]
+
+
+def compile_step(tx: optax.GradientTransformation, shapes: dict, dtype: Any, topo: Any) -> Any:
+  sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+  params = {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in shapes.items()}
+  state = jax.eval_shape(tx.init, params)
+  state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, params)
+  return traced.lower(lowering_platforms=("cuda",)).compile()
+
+
+def compile_zero1_step(
+  tx: optax.GradientTransformation, shapes: dict, dtype: Any, topo: Any
+) -> Any:
+  """The step on a mesh of the topology's devices: params replicated, the
+  state split over ``"data"`` by :func:`mpx.zero1_shardings`."""
+  mesh = jax.sharding.Mesh(np.array(topo.devices), ("data",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params = {k: jax.ShapeDtypeStruct(s, dtype, sharding=replicated) for k, s in shapes.items()}
+  shardings = mpx.zero1_shardings(tx, params, mesh)
+  state = jax.eval_shape(tx.init, params)
+  state = jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings
+  )
+  param_shardings = jax.tree.map(lambda p: p.sharding, params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_shardings, shardings))
+  return jitted.trace(params, state, params).lower(lowering_platforms=("cuda",)).compile()
+
+
+def collectives(compiled: Any) -> dict[str, int]:
+  """The collectives of the optimized HLO, by opcode."""
+  ops = re.findall(
+    r" (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(",
+    compiled.as_text(),
+  )
+  return {op: ops.count(op) for op in sorted(set(ops))}
+
+
+def type_bytes(text: str) -> int:
+  return sum(
+    _BYTES[dtype] * int(np.prod([int(n) for n in dims.split(",") if n] or [1]))
+    for dtype, dims in _ARRAY.findall(text)
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  conditionals: int
+  kernels: int
+  copies: int
+  copied_bytes: int
+  bytes: int
+  scratch: int
+
+
+def profile(compiled: Any) -> Profile:
+  """Counts over the entry computation and the branches of its conditionals."""
+  text = compiled.as_text()
+  computations = _computations(text)
+  entry = next(name for name in computations if name.startswith("ENTRY "))
+  run = [entry]
+  conditionals = 0
+  for name in computations:
+    for _, _, op, rest in computations[name]:
+      if op == "conditional":
+        conditionals += 1
+        run += re.findall(r"(?:branch_computations=\{|true_computation=|false_computation=)"
+                          r"%?([\w.-]+)", rest)  # fmt: skip
+  kernels = copies = copied = total = 0
+  for name in run:
+    instructions = computations.get(name) or computations.get(_by_short(computations, name), [])
+    types = {n: t for n, t, _, _ in instructions}
+    for _, result, op, rest in instructions:
+      if op not in KERNEL_OPS:
+        continue
+      kernels += 1
+      operands = re.findall(r"%([\w.-]+)", rest.split("),")[0])
+      moved = type_bytes(result) + sum(type_bytes(types.get(o, "")) for o in operands)
+      total += moved
+      if op in ("copy", "copy-start"):
+        copies += 1
+        copied += moved
+  scratch = compiled.memory_analysis().temp_size_in_bytes
+  return Profile(conditionals, kernels, copies, copied, total, scratch)
+
+
+def _computations(text: str) -> dict[str, list[tuple[str, str, str, str]]]:
+  out: dict[str, list[tuple[str, str, str, str]]] = {}
+  current: list[tuple[str, str, str, str]] | None = None
+  for line in text.splitlines():
+    header = re.match(r"^(ENTRY )?%?([\w.-]+) .*\{$", line)
+    if header and not line.startswith(" "):
+      current = out.setdefault((header.group(1) or "") + header.group(2), [])
+      continue
+    match = _INSTRUCTION.match(line)
+    if match and current is not None:
+      current.append(match.groups())
+  return out
+
+
+def _by_short(computations: dict, name: str) -> str:
+  return next((c for c in computations if c.endswith(name)), name)
+
+
+def table(scale: float) -> list[str]:
+  shapes = model_shapes(scale)
+  n = sum(int(np.prod(s)) for s in shapes.values())
+  topo = topology()
+  lines = [
+    f"{len(shapes)} leaves, {n / 1e6:.1f}M params; compiled for an H100 by XLA "
+    f"(jax {jax.__version__}), not run",
+    "",
+    "| step | conditionals | kernels | bytes/param | floor | copies (B/param) | scratch B/param |",
+    "|:--|--:|--:|--:|--:|--:|--:|",
+  ]
+  for variant in variants():
+    p = profile(compile_step(variant.make(), shapes, variant.param_dtype, topo))
+    lines.append(
+      f"| {variant.name} | {p.conditionals} | {p.kernels} | {p.bytes / n:.1f} | "
+      f"{FLOORS[variant.name]} | {p.copies} ({p.copied_bytes / n:.2f}) | {p.scratch / n:.2f} |"
+    )
+  return lines
+
+
+def zero1_table(scale: float, devices: int = 8) -> list[str]:
+  shapes = model_shapes(scale)
+  n = sum(int(np.prod(s)) for s in shapes.values())
+  topo = topology(devices)
+  lines = [
+    f"{devices} H100s, params replicated, the state split by mpx.zero1_shardings "
+    "(per device; B/param over all params)",
+    "",
+    "| step | conditionals | state B/param | scratch B/param | copies (B/param) | collectives |",
+    "|:--|--:|--:|--:|--:|:--|",
+  ]
+  for variant in variants():
+    if not variant.name.startswith("mpx"):
+      continue
+    tx = variant.make()
+    compiled = compile_zero1_step(tx, shapes, variant.param_dtype, topo)
+    p = profile(compiled)
+    memory = compiled.memory_analysis()
+    state = memory.argument_size_in_bytes - 2 * sum(
+      int(np.prod(s)) * np.dtype(variant.param_dtype).itemsize for s in shapes.values()
+    )
+    found = ", ".join(f"{k} {v}" for k, v in collectives(compiled).items())
+    lines.append(
+      f"| {variant.name} | {p.conditionals} | {state / n:.2f} | {p.scratch / n:.2f} | "
+      f"{p.copies} ({p.copied_bytes / n:.2f}) | {found} |"
+    )
+  return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--scale", type=float, default=1.0, help="params relative to 67M")
+  parser.add_argument("--devices", type=int, default=8, help="GPUs of the ZeRO-1 table (0: none)")
+  args = parser.parse_args(argv)
+  print("\n".join(table(args.scale)))
+  if args.devices:
+    print()
+    print("\n".join(zero1_table(args.scale, args.devices)))
+
+
+if __name__ == "__main__":
+  main()
