@@ -375,6 +375,14 @@ def loss_scale(
   ``value`` and ``grad`` (``optax.lbfgs``'s) come from the scaled loss and
   are unscaled first. Corner cases: docs/guarantees.md.
 
+  To accumulate micro-batches, put ``loss_scale`` outside
+  ``optax.MultiSteps``: ``loss_scale(optax.MultiSteps(mixed_precision(rule),
+  k))`` skips an overflowing micro-batch alone. Not
+  ``optax.MultiSteps(loss_scale(...), k)``: there an inf enters the
+  accumulator, optax's reset ``(1 - emit) * acc`` makes it NaN, and every
+  later step is skipped (docs/howto.md, "Accumulate gradients over
+  micro-batches").
+
   Args:
     inner: the rule to feed the unscaled gradients, typically
       ``mpx.mixed_precision(optax.adamw(...))``.
