@@ -228,13 +228,16 @@ def _loss_scaling(
 
   def init_fn(params: optax.Params) -> LossScaleState:
     validation.refuse_fp8_metadata("loss_scale", params)
-    inner_state = inner.init(params)
+    inner_state = tree_lib.strong_types(inner.init(params))
     validation.refuse_rules_chained_after("loss_scale", inner_state)
     return rule.initial_state(inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
     validation.check_state_type("loss_scale", state, LossScaleState)
     rule.check_state(state)
+    if params is not None:  # under shard_map: per-device gradients of replicated params
+      validation.check_gradients_vary_like_params("loss_scale", updates, params)
+    validation.check_verdict_agrees("loss_scale", updates, state.loss_scale, axis_name)
     # The scale this step's loss was multiplied by, not the one about to be chosen.
     unscaling = verdict.Unscaling(_inverse(state.loss_scale), rule.min_scale >= 1.0, axis_name)
     # L-BFGS's value= and grad= come from the scaled loss, like the gradients:

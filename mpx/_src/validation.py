@@ -83,6 +83,78 @@ def gradient_params(params: Any) -> Any:
   return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
+def varying_axes(leaf: Any) -> frozenset[Any]:
+  """The mesh axes ``leaf`` varies over inside a ``shard_map`` that checks
+  them (``check_vma=True``, its default); empty elsewhere."""
+  if leaf is None or tree_lib.is_placeholder(leaf):
+    return frozenset()
+  try:
+    aval = jax.typeof(leaf)
+  except TypeError:
+    return frozenset()
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; `vma` before
+  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _axes_text(axes: frozenset[Any]) -> str:
+  return ", ".join(repr(a) for a in sorted(axes, key=str))
+
+
+def _axes_arg(axes: frozenset[Any]) -> str:
+  """The axes as an ``axis_name`` argument: one name, or a tuple of them."""
+  names = tuple(sorted(axes, key=str))
+  return repr(names[0] if len(names) == 1 else names)
+
+
+def check_gradient_varies_like_param(name: str, path: str, grad: Any, param: Any) -> None:
+  """Inside ``shard_map``, a gradient that varies over a mesh axis its param
+  does not (per-device gradients of replicated params) would move each
+  device's copy of the param and its state its own way: ``lax.cond`` and
+  ``shard_map`` would refuse it later, naming neither the leaf nor the fix."""
+  extra = varying_axes(grad) - varying_axes(param)
+  if not extra:
+    return
+  axes, arg = _axes_text(extra), _axes_arg(extra)
+  raise ValueError(
+    f"{name}: gradient {path!r} varies across mesh axis {axes} (shard_map) but its param "
+    f"does not: each device would update its copy of the param and its state its own way. "
+    f"Reduce the gradients over {axes} first (jax.lax.pmean(grads, {arg})), or take "
+    "jax.grad with respect to the replicated params, which reduces them; or give the params "
+    f"and the optimizer state that axis (in_specs P({axes}))."
+  )
+
+
+def check_gradients_vary_like_params(name: str, grads: Any, params: Any) -> None:
+  """:func:`check_gradient_varies_like_param` for every leaf; trees that do
+  not line up are left to :func:`check_grads_match_params` to name."""
+  params = gradient_params(params)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=tree_lib.is_placeholder)
+  grads_def: Any = treedef
+  if grads_def != jax.tree.structure(params, is_leaf=tree_lib.is_placeholder):
+    return
+  for (path, grad), param in zip(flat, grads_def.flatten_up_to(params), strict=True):
+    check_gradient_varies_like_param(name, tree_lib.path_str(path) or "<root>", grad, param)
+
+
+def check_verdict_agrees(name: str, grads: Any, scale: Any, axis_name: Any) -> None:
+  """Inside ``shard_map``, gradients that vary over a mesh axis that
+  ``axis_name`` does not reduce give each device its own verdict, while the
+  loss scale is one value for all: the skip would differ between devices.
+  Refused naming the ``axis_name`` to pass."""
+  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+  names = () if axis_name is None else axis_name
+  reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
+  loose = axes - reduced - varying_axes(scale)
+  if not loose:
+    return
+  raise ValueError(
+    f"{name}: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), but "
+    f"axis_name={axis_name!r} does not reduce the verdict over it and the loss scale is "
+    "replicated over it: each device would decide alone whether to skip. Pass "
+    f"axis_name={_axes_arg(reduced | loose)} so that every device agrees."
+  )
+
+
 def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
   """Gradients must have the params' structure (the fast weights' under
   ``optax.lookahead``, see ``gradient_params``), and every floating param a
@@ -110,6 +182,7 @@ def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
         f"{name}: gradient {path!r} is {tree_lib.leaf_dtype(grad)} but its param is "
         f"{tree_lib.leaf_dtype(param)}: the gradient of a floating param must be floating."
       )
+    check_gradient_varies_like_param(name, path, grad, param)
     grad_shape, shape = np.shape(grad), np.shape(param)
     if grad_shape == shape:
       continue
