@@ -29,8 +29,11 @@ def finite_check_form(request, monkeypatch):
   by a select instead (mpx/_src/skip.py): "GPU form" runs that program on
   the CPU. The skip guarantees must hold in all three.
   """
-  from mpx._src import finite, skip
+  from mpx._src import finite
 
-  monkeypatch.setattr(finite, "_single_cpu_device", lambda: request.param == "one CPU device")
-  monkeypatch.setattr(skip, "_select_on_cpu", lambda: request.param == "GPU form")
+  if request.param == "GPU form":
+    monkeypatch.setenv("MPX_TEST_GPU_FORM", "1")  # the switch (mpx/_src/skip.py)
+  else:
+    monkeypatch.delenv("MPX_TEST_GPU_FORM", raising=False)
+    monkeypatch.setattr(finite, "_single_cpu_device", lambda: request.param == "one CPU device")
   return request.param

@@ -3,8 +3,9 @@
 The checks themselves are in ``tests/optax_zoo.py`` (see its docstring); they
 run in two subprocesses with FMA contraction off, one per core, and each
 optimizer is reported as its own test here (``-m slow``: about 80 s on two
-cores). The completeness test, quick, fails when optax gains an optimizer the
-table does not list.
+cores), once with the CPU program's skip and once with the GPU program's.
+The completeness test, quick, fails when optax gains an optimizer the table
+does not list.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ def test_every_optimizer_in_optax_is_listed():
   assert len(optax_zoo.CASES) >= 60
 
 
-@pytest.fixture(scope="module")
-def zoo_results() -> dict:
+@pytest.fixture(scope="module", params=["CPU form", "GPU form"])
+def zoo_results(request) -> dict:
   names = sorted(optax_zoo.CASES)
   env = {
     **os.environ,
     "JAX_PLATFORMS": "cpu",
     # No FMA instructions, hence no multiply-add contraction (checked below).
     "XLA_FLAGS": "--xla_cpu_max_isa=AVX",
+    # The GPU program's skip (a select) and finite check, run on the CPU.
+    "MPX_TEST_GPU_FORM": "1" if request.param == "GPU form" else "0",
   }
   workers = [
     subprocess.Popen(

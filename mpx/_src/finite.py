@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpx._src import skip
 from mpx._src import tree as tree_lib
 
 # float16 leaves are folded _FOLD_WIDTH-fold, twice where that leaves _MIN_FOLD_SIZE (fact 3).
@@ -176,7 +177,10 @@ def _elementwise_flags(leaves: list[jax.Array]) -> list[jax.Array]:
 
 
 def _single_cpu_device() -> bool:
-  """Whether facts 1 to 3 above apply (see fact 4)."""
+  """Whether facts 1 to 3 above apply (see fact 4); not under the tests'
+  ``MPX_TEST_GPU_FORM`` switch (``skip.gpu_form_on_cpu``)."""
+  if skip.gpu_form_on_cpu():
+    return False
   return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 

@@ -153,7 +153,7 @@ def mixed_precision(
       for index, (path, param) in enumerate(zip(paths, flat, strict=True))
     ]
     leaves = _Leaves.align(mode, dtype, None, params, treedef.unflatten(stored))
-    inner_state = inner.init(leaves.tree(leaves.masters(leaves.stored)))
+    inner_state = tree_lib.strong_types(inner.init(leaves.tree(leaves.masters(leaves.stored))))
     _refuse_loss_scale_inside(inner_state)
     moments_format.check_fields_exist(inner_state)
     # Two arrays, not one: a step that donates the state donates each buffer once.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -71,9 +72,15 @@ def _traced_once(step: Callable[..., tuple[Any, Any]], state: Any, args: tuple[A
 
 
 def _select_on_cpu() -> bool:
-  """The tests' switch (tests/conftest.py): True runs the select form on the
-  CPU too, so the suites check what GPUs run against what CPUs run."""
-  return False
+  """The tests' switch: ``MPX_TEST_GPU_FORM=1`` lowers the forms a GPU
+  program has (this select, ``all_finite``'s plain check) for the CPU too,
+  so the suites check what GPUs run against what CPUs run."""
+  return gpu_form_on_cpu()
+
+
+def gpu_form_on_cpu() -> bool:
+  """Whether ``MPX_TEST_GPU_FORM`` asks for the GPU program's forms on the CPU."""
+  return os.environ.get("MPX_TEST_GPU_FORM", "") not in ("", "0")
 
 
 def _by_cond(

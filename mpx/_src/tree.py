@@ -191,3 +191,18 @@ def saturating_cast(x: Any, dtype: Any) -> jax.Array:
   limit = np.asarray(jnp.finfo(dtype).max, x.dtype)
   clamped = jax.lax.clamp(-limit, x, limit)
   return jax.lax.select(jax.lax.is_finite(x), clamped, x).astype(dtype)
+
+
+def strong_types(tree: PyTree) -> PyTree:
+  """``tree`` with every weakly typed array made strongly typed (same dtype,
+  same bits). A rule's ``init`` may hold Python scalars as weak types that its
+  update returns strong; a skip by select keeps each leaf's type, so a weak
+  leaf would come back strong from the first step and the step compile again.
+  """
+
+  def strong(x: Any) -> Any:
+    if isinstance(x, jax.Array) and getattr(jax.typeof(x), "weak_type", False):
+      return jnp.asarray(x, x.dtype)
+    return x
+
+  return jax.tree.map(strong, tree)
