@@ -121,7 +121,7 @@ def fsdp_setup(mesh, tx):
   shardings = mpx.zero1_shardings(tx, params, mesh, axis=None)  # the state follows the params
   state = jax.jit(tx.init, out_shardings=shardings)(params)
   state_specs = jax.tree.map(lambda s: s.spec, shardings)
-  assert state_specs.inner_state.master_params == param_specs
+  assert optax.tree.get(state_specs, "master_params") == param_specs
 
   def step(params, state, x, y):
     def scaled(p):
@@ -185,3 +185,26 @@ def test_per_device_gradients_of_replicated_params_name_the_fix(mesh, wrap):
   x, y = batches()[0]
   with pytest.raises(ValueError, match=r"varies across mesh axis 'data'.*jax\.lax\.pmean"):
     step(params, state, x, y)
+
+
+def test_fsdp_mixed_precision_alone_names_the_fix(mesh):
+  # Without loss_scale there is no axis_name to agree the verdict: each device
+  # would check its own shard of the gradients and skip alone.
+  step, params, state = fsdp_setup(mesh, mpx.mixed_precision(optax.adam(1e-2)))
+  x, y = batches()[0]
+  with pytest.raises(ValueError, match=r"vary across mesh axis 'data'.*static_loss_scale"):
+    step(params, state, x, y)
+
+
+def test_fsdp_mixed_precision_under_a_static_scale_of_one_with_axis_name(mesh):
+  # The fix that error names: a scale of 1 changes nothing but the verdict,
+  # which axis_name now agrees across the devices.
+  tx = mpx.static_loss_scale(mpx.mixed_precision(optax.adam(1e-2)), 1.0, axis_name="data")
+  step, params, state = fsdp_setup(mesh, tx)
+  skipped = []
+  for x, y in batches():
+    params, state = step(params, state, x, y)
+    skipped.append(int(state.skipped_steps))
+  assert skipped == [0, 1, 1, 1]  # the poisoned step, skipped on every device
+  assert float(state.loss_scale) == 1.0
+  assert state.inner_state.master_params["w"].sharding.spec == P("data")

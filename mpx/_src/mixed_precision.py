@@ -183,6 +183,8 @@ def mixed_precision(
       )
     validation.check_state_type("mixed_precision", state, mode.state_type)
     leaves = _Leaves.align(mode, dtype, updates, params, mode.stored(state))
+    if unscaling is None:  # no loss_scale to agree the verdict across devices
+      validation.check_own_verdict_agrees("mixed_precision", updates, state.applied_steps)
     inner_like = jax.eval_shape(inner.init, leaves.tree(leaves.master_shapes()))
     inner_kinds = moments_format.kinds(inner_like)
     inner_flat_like, inner_treedef = _flatten_leaves(inner_like)

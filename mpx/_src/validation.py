@@ -155,6 +155,23 @@ def check_verdict_agrees(name: str, grads: Any, scale: Any, axis_name: Any) -> N
   )
 
 
+def check_own_verdict_agrees(name: str, grads: Any, counter: Any) -> None:
+  """``mixed_precision`` without ``loss_scale`` has no ``axis_name``: inside
+  ``shard_map``, gradients that vary over a mesh axis its counters do not
+  (FSDP's split gradients) give each device its own verdict. Refused naming
+  the wrapper whose ``axis_name`` agrees it."""
+  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+  loose = axes - varying_axes(counter)
+  if not loose:
+    return
+  raise ValueError(
+    f"{name}: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), so each "
+    "device would decide alone whether to skip the step. Agree the verdict across them: "
+    f"mpx.static_loss_scale(tx, 1.0, axis_name={_axes_arg(loose)}) for bfloat16 (a scale of "
+    f"1 changes nothing else), or mpx.loss_scale(tx, axis_name={_axes_arg(loose)}) for float16."
+  )
+
+
 def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
   """Gradients must have the params' structure (the fast weights' under
   ``optax.lookahead``, see ``gradient_params``), and every floating param a
