@@ -86,6 +86,13 @@ def check_run(params, state, reference):
   assert np.abs(np.asarray(masters["b"])).min() > 1e-3  # it moved
 
 
+def replicated_step(step, mesh, state_specs):
+  """``step(params, state, x, y)`` jitted under ``shard_map``: params and
+  state replicated, the batch split over ``data``."""
+  in_specs = (P(), state_specs, P("data"), P("data"))
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), state_specs)))
+
+
 def test_replicated_params_with_gradients_reduced_by_autodiff(mesh):
   tx = make_tx()
   params = params_fp16()
@@ -100,14 +107,7 @@ def test_replicated_params_with_gradients_reduced_by_autodiff(mesh):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(
-    jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(P(), state_specs, P("data"), P("data")),
-      out_specs=(P(), state_specs),
-    )
-  )
+  step = replicated_step(step, mesh, state_specs)
   for x, y in batches():
     params, state = step(params, state, x, y)
   check_run(params, state, single_device_run())
@@ -174,14 +174,7 @@ def test_per_device_gradients_of_replicated_params_name_the_fix(mesh, wrap):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(
-    jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(P(), state_specs, P("data"), P("data")),
-      out_specs=(P(), state_specs),
-    )
-  )
+  step = replicated_step(step, mesh, state_specs)
   x, y = batches()[0]
   with pytest.raises(ValueError, match=r"varies across mesh axis 'data'.*jax\.lax\.pmean"):
     step(params, state, x, y)
