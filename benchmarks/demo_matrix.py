@@ -240,6 +240,7 @@ def write_docs(path: pathlib.Path, lines: list[str], records: list[dict], comman
     ),
     "*checks*: the demo's own exit verdict in that run, every bound and",
     f"`bf16+mpx remainder` bitwise `bf16+mpx` ({bitwise} of {len(records)} runs bitwise).",
+    "*s*: the demo's own wall time, which varies with the machine's load.",
     "",
     *lines,
     "",
