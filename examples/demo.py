@@ -54,7 +54,7 @@ the rows compile side by side, one per core, before the first one trains.
 
 Run from the repository root::
 
-  python examples/demo.py                 # default: 2 to 3.5 min on 2 CPU cores, by load
+  python examples/demo.py                 # default: 1.5 to 3.5 min on 2 CPU cores, by load
   python examples/demo.py --smoke         # tiny, under a minute (CI); or MPX_SMOKE=1
   python examples/demo.py --layers 6 --width 384 --heads 6 --context 256 \\
       --batch 64 --steps 5000 --lr 1e-3   # on a GPU

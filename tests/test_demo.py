@@ -156,7 +156,7 @@ def test_check_fails_when_claims_do_not_hold(tmp_path):
 
 
 def test_default_size_run_passes_its_checks(tmp_path):
-  # The main job as a user runs it (2 to 3.5 minutes on 2 cores): every claim
+  # The main job as a user runs it (1.5 to 3.5 minutes on 2 cores): every claim
   # the demo makes must hold at its default size, not only at the smoke size.
   result = run_demo("--out", str(tmp_path / "demo.png"))
   assert result.returncode == 0, result.stdout + result.stderr
