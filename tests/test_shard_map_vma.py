@@ -201,3 +201,30 @@ def test_fsdp_mixed_precision_under_a_static_scale_of_one_with_axis_name(mesh):
   assert skipped == [0, 1, 1, 1]  # the poisoned step, skipped on every device
   assert float(state.loss_scale) == 1.0
   assert state.inner_state.master_params["w"].sharding.spec == P("data")
+
+
+def test_split_params_with_a_replicated_state_name_the_fix(mesh):
+  # The state must be split like the params: its masters are whole here.
+  tx = make_tx()
+  param_specs = {"w": P("data"), "b": P()}
+  params = jax.device_put(
+    params_fp16(), jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs)
+  )
+  state = tx.init(params)
+  state_specs = jax.tree.map(lambda _: P(), state)
+
+  def step(params, state, x, y):
+    def scaled(p):
+      whole = {"w": jax.lax.all_gather(p["w"], "data", tiled=True), "b": p["b"]}
+      return mpx.scale_loss(jax.lax.pmean(loss_fn(whole, x, y), "data"), state)
+
+    updates, state = tx.update(jax.grad(scaled)(params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  in_specs = (param_specs, state_specs, P("data"), P("data"))
+  step = jax.jit(
+    jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(param_specs, state_specs))
+  )
+  x, y = batches()[0]
+  with pytest.raises(ValueError, match=r"master has shape \[16, 8\].*zero1_shardings"):
+    step(params, state, x, y)

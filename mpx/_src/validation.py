@@ -313,9 +313,16 @@ def check_stored_leaf(
   if tree_lib.is_placeholder(want):
     return
   if np.shape(stored) != np.shape(want) and np.shape(want) == np.shape(param):
+    hint = ""
+    if varying_axes(param):  # a shard of the param inside shard_map
+      hint = (
+        " Inside shard_map the state must be split like the params: "
+        "mpx.zero1_shardings(tx, params, mesh, axis=None) gives its shardings (their "
+        ".spec for in_specs and out_specs)."
+      )
     raise ValueError(
       f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but its "
-      f"master has shape {list(np.shape(stored))}."
+      f"master has shape {list(np.shape(stored))}.{hint}"
     )
   if _signature(stored) != _signature(want):
     raise ValueError(
