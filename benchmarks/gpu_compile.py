@@ -69,6 +69,10 @@ def topology(devices: int = 1) -> Any:
   )
 
 
+def param_count(shapes: dict[str, tuple[int, ...]]) -> int:
+  return sum(int(np.prod(s)) for s in shapes.values())
+
+
 def model_shapes(scale: float = 1.0) -> dict[str, tuple[int, ...]]:
   """A 4-layer transformer's 26 leaves: 67M params at scale 1."""
   d = max(16, int(1024 * scale**0.5) // 16 * 16)
@@ -255,7 +259,7 @@ def _by_short(computations: dict, name: str) -> str:
 
 def table(scale: float) -> list[str]:
   shapes = model_shapes(scale)
-  n = sum(int(np.prod(s)) for s in shapes.values())
+  n = param_count(shapes)
   topo = topology()
   lines = [
     f"{len(shapes)} leaves, {n / 1e6:.1f}M params; compiled for an H100 by XLA "
@@ -273,9 +277,25 @@ def table(scale: float) -> list[str]:
   return lines
 
 
+@dataclasses.dataclass(frozen=True)
+class Zero1Profile:
+  profile: Profile
+  collectives: dict[str, int]
+  state_bytes: int  # per device
+
+
+def zero1_profile(variant: Variant, shapes: dict, topo: Any) -> Zero1Profile:
+  """The ZeRO-1 step of ``variant`` on the topology's devices, profiled."""
+  compiled = compile_zero1_step(variant.make(), shapes, variant.param_dtype, topo)
+  # The arguments less the params and grads, both replicated: the state's shard.
+  replicated = 2 * param_count(shapes) * np.dtype(variant.param_dtype).itemsize
+  state = compiled.memory_analysis().argument_size_in_bytes - replicated
+  return Zero1Profile(profile(compiled), collectives(compiled), state)
+
+
 def zero1_table(scale: float, devices: int = 8) -> list[str]:
   shapes = model_shapes(scale)
-  n = sum(int(np.prod(s)) for s in shapes.values())
+  n = param_count(shapes)
   topo = topology(devices)
   lines = [
     f"{devices} H100s, params replicated, the state split by mpx.zero1_shardings "
@@ -287,16 +307,11 @@ def zero1_table(scale: float, devices: int = 8) -> list[str]:
   for variant in variants():
     if not variant.name.startswith("mpx"):
       continue
-    tx = variant.make()
-    compiled = compile_zero1_step(tx, shapes, variant.param_dtype, topo)
-    p = profile(compiled)
-    memory = compiled.memory_analysis()
-    state = memory.argument_size_in_bytes - 2 * sum(
-      int(np.prod(s)) * np.dtype(variant.param_dtype).itemsize for s in shapes.values()
-    )
-    found = ", ".join(f"{k} {v}" for k, v in collectives(compiled).items())
+    z = zero1_profile(variant, shapes, topo)
+    p = z.profile
+    found = ", ".join(f"{k} {v}" for k, v in z.collectives.items())
     lines.append(
-      f"| {variant.name} | {p.conditionals} | {state / n:.2f} | {p.scratch / n:.2f} | "
+      f"| {variant.name} | {p.conditionals} | {z.state_bytes / n:.2f} | {p.scratch / n:.2f} | "
       f"{p.copies} ({p.copied_bytes / n:.2f}) | {found} |"
     )
   return lines

@@ -72,12 +72,14 @@ def by_path(tree: Any) -> dict[str, Any]:
   """Leaves keyed by their path as ``"a/b/0"``: a dict and an nnx ``State``
   (or a NamedTuple and its fields) with the same keys give the same paths."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in flat}
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): x for p, x in flat}
 
 
 def assert_same_leaves(actual: Any, expected: Any) -> None:
   a, e = by_path(actual), by_path(expected)
   assert a.keys() == e.keys()
+  a = {path: np.asarray(x) for path, x in a.items()}
+  e = {path: np.asarray(x) for path, x in e.items()}
   for path in a:
     assert a[path].dtype == e[path].dtype, path
     np.testing.assert_array_equal(a[path], e[path], err_msg=path)
@@ -221,24 +223,19 @@ def test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh(masters, momen
       nnx_step(model, optimizer, nnx_grads(model, i))
   specs = {
     path: tuple(x.sharding.spec)
-    for path, x in by_path_arrays(nnx.as_pure(optimizer.opt_state)).items()
+    for path, x in by_path(nnx.as_pure(optimizer.opt_state)).items()
     if path.endswith(("body/kernel", "body/kernel/codes", "body/kernel/values")) and x.ndim
   }
   assert specs  # every stored leaf of the kernel's shape, sharded as the kernel is
   assert set(specs.values()) == {("data", "model")}, specs
   scales = {
     path: tuple(x.sharding.spec)
-    for path, x in by_path_arrays(nnx.as_pure(optimizer.opt_state)).items()
+    for path, x in by_path(nnx.as_pure(optimizer.opt_state)).items()
     if path.endswith("body/kernel/scales")
   }
   # A block scale per row: rows sharded as the kernel's, its blocks whole.
   assert set(scales.values()) <= {("data", None)}
   assert bool(scales) == (moments == "8bit")
-
-
-def by_path_arrays(tree: Any) -> dict[str, jax.Array]:
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {jax.tree_util.keystr(p, simple=True, separator="/"): x for p, x in flat}
 
 
 # ----------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import os
 import pathlib
 import sys
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -53,7 +52,7 @@ EIGHT_BIT = {name for name in gpu_compile.FLOORS if "8bit" in name}
 def profiles() -> dict:
   require_cuda_compiler()
   shapes = gpu_compile.model_shapes(SCALE)
-  n = sum(int(np.prod(s)) for s in shapes.values())
+  n = gpu_compile.param_count(shapes)
   topology = gpu_compile.topology()
   out = {}
   for variant in gpu_compile.variants():
@@ -92,25 +91,12 @@ def test_no_copies_and_scratch_under_a_tenth_of_a_byte_per_param(profiles, name,
 def zero1() -> dict:
   require_cuda_compiler()
   shapes = gpu_compile.model_shapes(SCALE)
-  n = sum(int(np.prod(s)) for s in shapes.values())
-  params_bytes = {
-    v.name: 2 * n * np.dtype(v.param_dtype).itemsize for v in gpu_compile.variants()
-  }  # params and grads, replicated
   topology = gpu_compile.topology(8)
-  out = {}
-  for variant in gpu_compile.variants():
-    if variant.name.startswith("mpx"):
-      compiled = gpu_compile.compile_zero1_step(
-        variant.make(), shapes, variant.param_dtype, topology
-      )
-      memory = compiled.memory_analysis()
-      state = memory.argument_size_in_bytes - params_bytes[variant.name]
-      out[variant.name] = (
-        gpu_compile.profile(compiled),
-        gpu_compile.collectives(compiled),
-        state,
-      )
-  return out
+  return {
+    v.name: gpu_compile.zero1_profile(v, shapes, topology)
+    for v in gpu_compile.variants()
+    if v.name.startswith("mpx")
+  }
 
 
 MPX_NAMES = [name for name in NAMES if name.startswith("mpx")]
@@ -118,7 +104,7 @@ MPX_NAMES = [name for name in NAMES if name.startswith("mpx")]
 
 @pytest.mark.parametrize("name", MPX_NAMES)
 def test_on_8_gpus_with_zero1_no_conditional_and_only_the_params_all_gather(zero1, name):
-  profile, found, _ = zero1[name]
+  profile, found = zero1[name].profile, zero1[name].collectives
   assert profile.conditionals == 0
   # The new params, gathered from the state's shards (XLA combines the
   # gathers into a few), and at most one reduction for the verdict. Nothing
@@ -131,5 +117,4 @@ def test_on_8_gpus_with_zero1_no_conditional_and_only_the_params_all_gather(zero
 def test_on_8_gpus_with_zero1_scratch_at_most_the_state_per_device(zero1, name, request):
   if name in EIGHT_BIT:
     request.applymarker(pytest.mark.xfail(strict=True, reason="8-bit moments: not yet"))
-  profile, _, state = zero1[name]
-  assert profile.scratch <= state
+  assert zero1[name].profile.scratch <= zero1[name].state_bytes

@@ -254,7 +254,7 @@ def compiled_run(
   One per configuration and per form of the finite check (the
   ``finite_check_form`` fixture switches it; a jitted function traced under
   one form would keep it)."""
-  form = (finite._single_cpu_device(), skip._select_on_cpu())
+  form = (finite._single_cpu_device(), skip.gpu_form_on_cpu())
   return _compiled_run(stack, config, masters, moments, form)
 
 

@@ -259,10 +259,11 @@ def _field_signs(fields: Any) -> tuple[tuple[str, str], ...]:
 
 def flatten_stored(stored_inner: Any) -> tuple[list[Any], Any]:
   """A stored inner state's leaves with each compressed moment as one leaf."""
-  return jax.tree.flatten(stored_inner, is_leaf=_is_compressed)
+  return jax.tree.flatten(stored_inner, is_leaf=is_compressed)
 
 
-def _is_compressed(x: Any) -> bool:
+def is_compressed(x: Any) -> bool:
+  """Whether ``x`` is a stored compressed moment (one node for one leaf)."""
   return isinstance(x, COMPRESSED_MOMENTS)
 
 
@@ -281,4 +282,4 @@ def decompressed(stored_inner: Any) -> Any:
     kind = _KIND_OF_STORED.get(type(x))
     return x if kind is None else kind.decompress(x)
 
-  return jax.tree.map(leaf, stored_inner, is_leaf=_is_compressed)
+  return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)

@@ -46,7 +46,7 @@ def apply_if_finite(
     parameter leaf the fusion pass became quadratic in the number of leaves.
   """
   traced = _traced_once(step, state, args)
-  if _select_on_cpu():
+  if gpu_form_on_cpu():
     return _by_select(finite, traced, state, args)
   return jax.lax.platform_dependent(
     finite,
@@ -71,15 +71,10 @@ def _traced_once(step: Callable[..., tuple[Any, Any]], state: Any, args: tuple[A
   return traced
 
 
-def _select_on_cpu() -> bool:
-  """The tests' switch: ``MPX_TEST_GPU_FORM=1`` lowers the forms a GPU
-  program has (this select, ``all_finite``'s plain check) for the CPU too,
-  so the suites check what GPUs run against what CPUs run."""
-  return gpu_form_on_cpu()
-
-
 def gpu_form_on_cpu() -> bool:
-  """Whether ``MPX_TEST_GPU_FORM`` asks for the GPU program's forms on the CPU."""
+  """The tests' switch: ``MPX_TEST_GPU_FORM=1`` lowers the forms a GPU
+  program has (the select, ``all_finite``'s plain check) for the CPU too,
+  so the suites check what GPUs run against what CPUs run."""
   return os.environ.get("MPX_TEST_GPU_FORM", "") not in ("", "0")
 
 

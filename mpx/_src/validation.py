@@ -96,6 +96,11 @@ def varying_axes(leaf: Any) -> frozenset[Any]:
   return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
 
 
+def _varying_axes_of_any(grads: Any) -> frozenset[Any]:
+  """The mesh axes some leaf of ``grads`` varies over."""
+  return frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+
+
 def _axes_text(axes: frozenset[Any]) -> str:
   return ", ".join(repr(a) for a in sorted(axes, key=str))
 
@@ -141,7 +146,7 @@ def check_verdict_agrees(name: str, grads: Any, scale: Any, axis_name: Any) -> N
   ``axis_name`` does not reduce give each device its own verdict, while the
   loss scale is one value for all: the skip would differ between devices.
   Refused naming the ``axis_name`` to pass."""
-  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+  axes = _varying_axes_of_any(grads)
   names = () if axis_name is None else axis_name
   reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
   loose = axes - reduced - varying_axes(scale)
@@ -160,7 +165,7 @@ def check_own_verdict_agrees(name: str, grads: Any, counter: Any) -> None:
   ``shard_map``, gradients that vary over a mesh axis its counters do not
   (FSDP's split gradients) give each device its own verdict. Refused naming
   the wrapper whose ``axis_name`` agrees it."""
-  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+  axes = _varying_axes_of_any(grads)
   loose = axes - varying_axes(counter)
   if not loose:
     return

@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from mpx._src import moments
 from mpx._src import tree as tree_lib
-from mpx._src.states import COMPRESSED_MOMENTS
 
 
 def fit_variables(state: Any) -> Any:
@@ -35,7 +35,7 @@ def fit_variables(state: Any) -> Any:
     if not isinstance(node, variable_type):
       return node
     value: Any = node.get_value()
-    if _is_compressed(value):
+    if moments.is_compressed(value):
       shape = np.shape(value[0])  # the codes or values: the param's shape
       return type(value)(*(_rewrap(node, part, shape) for part in value))
     if tree_lib.is_placeholder(value) or not hasattr(value, "shape"):
@@ -43,10 +43,6 @@ def fit_variables(state: Any) -> Any:
     return _rewrap(node, value, None)
 
   return jax.tree.map(fit, state, is_leaf=lambda x: isinstance(x, variable_type))
-
-
-def _is_compressed(value: Any) -> bool:
-  return isinstance(value, COMPRESSED_MOMENTS)
 
 
 def _rewrap(variable: Any, value: Any, param_shape: tuple[int, ...] | None) -> Any:
