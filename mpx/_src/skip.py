@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 
 
@@ -45,7 +44,9 @@ def apply_if_finite(
     computed predicate into each consumer, and with one consumer per
     parameter leaf the fusion pass became quadratic in the number of leaves.
   """
-  traced = _traced_once(step, state, args)
+  # One jitted function for both forms: the second call, with the same
+  # shapes, hits jit's cache, so the step (the inner rule) is traced once.
+  traced = jax.jit(lambda state, args: step(state, *args))
   if gpu_form_on_cpu():
     return _by_select(finite, traced, state, args)
   return jax.lax.platform_dependent(
@@ -55,20 +56,6 @@ def apply_if_finite(
     cpu=lambda finite, state, args: _by_cond(finite, traced, state, args),
     default=lambda finite, state, args: _by_select(finite, traced, state, args),
   )
-
-
-def _traced_once(step: Callable[..., tuple[Any, Any]], state: Any, args: tuple[Any, ...]) -> Any:
-  """``step`` as a jitted function of its flat inputs and what it closes over:
-  called in both forms with the same shapes, it is traced (and the inner rule
-  run in Python) once, where two forms of ``step`` itself would trace twice."""
-  closed, out_shapes = jax.make_jaxpr(lambda s, a: step(s, *a), return_shape=True)(state, args)
-  out_tree = jax.tree.structure(out_shapes)
-  run = jax.jit(jax.extend.core.jaxpr_as_fun(closed))
-
-  def traced(state: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
-    return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((state, args))))
-
-  return traced
 
 
 def gpu_form_on_cpu() -> bool:
