@@ -43,9 +43,12 @@ def require_cuda_compiler() -> None:
 
 
 SCALE = 0.05  # the 26-leaf tree at 3.2M params: the kernels of the 67M one, smaller
-# Not at the floor yet (docs/benchmarks_gpu.md): XLA:GPU writes some new 8-bit
-# moments out in float32 for the block maxima and reads them back.
 EIGHT_BIT = {name for name in gpu_compile.FLOORS if "8bit" in name}
+EIGHT_BIT_WHY = (
+  "8-bit moments: XLA:GPU writes the new moments of leaves up to ~1M elements to float32 "
+  "scratch and reads the gradients once more per block-max pass "
+  "(docs/design.md, 'Why 8-bit moments miss the floor on the GPU')"
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ def test_no_conditional_in_a_gpu_program(profiles, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_bytes_moved_within_2_per_param_of_the_floor(profiles, name, request):
   if name in EIGHT_BIT:
-    request.applymarker(pytest.mark.xfail(strict=True, reason="8-bit moments: not yet"))
+    request.applymarker(pytest.mark.xfail(strict=True, reason=EIGHT_BIT_WHY))
   profile, n = profiles[name]
   assert profile.bytes / n <= gpu_compile.FLOORS[name] + 2
 
@@ -81,7 +84,7 @@ def test_bytes_moved_within_2_per_param_of_the_floor(profiles, name, request):
 @pytest.mark.parametrize("name", NAMES)
 def test_no_copies_and_scratch_under_a_tenth_of_a_byte_per_param(profiles, name, request):
   if name in EIGHT_BIT:
-    request.applymarker(pytest.mark.xfail(strict=True, reason="8-bit moments: not yet"))
+    request.applymarker(pytest.mark.xfail(strict=True, reason=EIGHT_BIT_WHY))
   profile, n = profiles[name]
   assert profile.copied_bytes / n < 0.01  # a scalar counter may be copied
   assert profile.scratch / n <= 0.1
@@ -116,5 +119,5 @@ def test_on_8_gpus_with_zero1_no_conditional_and_only_the_params_all_gather(zero
 @pytest.mark.parametrize("name", MPX_NAMES)
 def test_on_8_gpus_with_zero1_scratch_at_most_the_state_per_device(zero1, name, request):
   if name in EIGHT_BIT:
-    request.applymarker(pytest.mark.xfail(strict=True, reason="8-bit moments: not yet"))
+    request.applymarker(pytest.mark.xfail(strict=True, reason=EIGHT_BIT_WHY))
   assert zero1[name].profile.scratch <= zero1[name].state_bytes
