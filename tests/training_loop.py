@@ -309,8 +309,12 @@ def random_plan(seed: int, steps: int, rate: float, burst: int) -> dict:
   return make_xs(
     *batches(seed, steps),
     kind=kind,
-    leaf=rng.integers(0, len(LEAF_NAMES), steps),
-    elem=rng.integers(0, 2**20, steps),
+    # A clean step gets the inputs of a step of the reference run that never
+    # took the poisoned ones (make_xs's defaults): XLA:CPU compiles the GPU
+    # form's step so that a clean step's leaf and element, though no select
+    # takes them, can move the update by an ulp.
+    leaf=np.where(injected, rng.integers(0, len(LEAF_NAMES), steps), 0),
+    elem=np.where(injected, rng.integers(0, 2**20, steps), 0),
     poison=np.where(injected, rng.choice(POISONS, steps), 1.0),
   )
 
