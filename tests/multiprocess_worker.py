@@ -37,9 +37,10 @@ def _digest(tree) -> str:
 
 def main(coordinator: str, num_processes: int, process_id: int) -> None:
   import jax
+  import jax_versions
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
+  jax_versions.distributed_initialize(
     coordinator_address=coordinator,
     num_processes=num_processes,
     process_id=process_id,
@@ -135,7 +136,7 @@ def main(coordinator: str, num_processes: int, process_id: int) -> None:
     return jax.tree.map(lambda x: x[None], (new_params, new_state))
 
   smap_step = jax.jit(
-    jax.shard_map(
+    jax_versions.shard_map(
       per_device,
       mesh=mesh,
       in_specs=(P("data"), P("data"), P("data")),

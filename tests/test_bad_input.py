@@ -7,11 +7,13 @@ pins down against independently computed values.
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
 
 import mpx
+from mpx._src import compat
 
 
 def bf16_params():
@@ -31,6 +33,7 @@ def test_b1_non_floating_master_dtype_is_refused_at_construction(dtype):
     mpx.mixed_precision(optax.sgd(0.1), dtype=dtype)
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 def test_b2_dtype_given_by_name_is_honoured():
   """mixed-precision-for-JAX ignores a dtype given as a string; mpx does not."""
   params = {"w": jnp.ones(2, jnp.float8_e4m3fn)}
@@ -53,7 +56,7 @@ def test_b4_float64_masters_without_x64_are_refused():
 
 
 def test_b4_float64_masters_with_x64_are_float64():
-  with jax.enable_x64(True):
+  with jax_versions.enable_x64():
     tx = mpx.mixed_precision(optax.sgd(0.1), dtype=jnp.float64)
     state = tx.init({"w": jnp.ones(2, jnp.float32)})
     assert state.master_params["w"].dtype == jnp.float64
@@ -313,7 +316,7 @@ def test_b18_invalid_settings_name_the_argument(kwargs, message):
 
 def test_b18_settings_must_be_concrete():
   """The configuration is static: a traced value cannot configure a transformation."""
-  with pytest.raises(ValueError, match="init_scale must be a number, got .*Tracer"):
+  with pytest.raises(ValueError, match="init_scale must be a number, got .*Trac"):
     jax.jit(lambda s: mpx.loss_scale(optax.sgd(0.1), init_scale=s).init(jnp.zeros(2)))(8.0)
   with pytest.raises(ValueError, match="scale must be finite and > 0"):
     mpx.static_loss_scale(optax.sgd(0.1), float("inf"))
@@ -411,6 +414,7 @@ def test_b23_state_from_a_different_transformation_is_refused(case):
     tx.update(params, maker.init(params), params)
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 def test_b23_masters_of_another_dtype_are_refused():
   params = {"w": jnp.ones(2, jnp.float8_e4m3fn)}
   bf16_masters = mpx.mixed_precision(optax.adam(0.1), dtype=jnp.bfloat16).init(params)
@@ -439,7 +443,9 @@ def test_b24_loss_scale_without_mixed_precision_on_float32_params_works():
   tx = mpx.loss_scale(optax.adam(0.1), init_scale=8.0)
   reference = optax.adam(0.1)
   updates, _ = tx.update({"w": jnp.full(2, 8.0)}, tx.init(params), params)
-  expected, _ = reference.update({"w": jnp.ones(2)}, reference.init(params), params)
+  # Jitted, as mpx's step is: XLA:CPU of jax 0.7.2 and before rewrites a
+  # division by a constant, so eager and jitted Adam may differ in an ulp.
+  expected, _ = jax.jit(reference.update)({"w": jnp.ones(2)}, reference.init(params), params)
   np.testing.assert_array_equal(updates["w"], expected["w"])
 
 

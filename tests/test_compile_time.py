@@ -72,6 +72,7 @@ def hlo_sizes(leaves):
   return out
 
 
+@pytest.mark.xla_cost
 @pytest.mark.slow
 def test_compiled_step_grows_linearly_and_like_the_hand_step():
   # On one CPU device the check takes the forms the benchmarks and most

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
@@ -24,6 +25,7 @@ from flax import nnx
 from treecheck import tree_equal
 
 import mpx
+from mpx._src import compat
 
 BF16 = jnp.bfloat16
 MASTERS = ("full", "remainder", "stochastic")
@@ -95,7 +97,7 @@ def count_compilations():
 
   jax.monitoring.register_event_duration_secs_listener(listener)
   yield compiled
-  jax.monitoring.unregister_event_duration_listener(listener)
+  jax_versions.unregister_event_duration_listener(listener)
 
 
 # ----------------------------------------------------------------------------
@@ -135,6 +137,20 @@ def nnx_grads(model: nnx.Module, step: int) -> nnx.State:
   return grads
 
 
+@jax_versions.requires_flax("0.11.0", "an nnx.Optimizer that wraps its state in Variables")
+def test_nnx_optimizer_on_flax_0_11_names_the_version_it_needs(monkeypatch):
+  # flax 0.11 and 0.12.0 wrap the state in Variables mpx cannot rewrap.
+  import flax
+
+  monkeypatch.setattr(flax, "__version__", "0.11.2")
+  model = NnxModel(nnx.Rngs(0))
+  with pytest.raises(
+    ValueError, match=r"nnx\.Optimizer needs flax >= 0\.12\.1.*this is flax 0\.11\.2"
+  ):
+    nnx.Optimizer(model, make_tx("full", "full"), wrt=nnx.Param)
+
+
+@jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 @pytest.mark.parametrize(("masters", "moments"), list(itertools.product(MASTERS, MOMENTS)))
 def test_nnx_optimizer_trains_as_the_transformation_driven_by_hand(
   masters, moments, count_compilations
@@ -158,6 +174,7 @@ def test_nnx_optimizer_trains_as_the_transformation_driven_by_hand(
   assert type(got) is type(want)
 
 
+@jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 def test_nnx_model_and_optimizer_trains_as_the_transformation_driven_by_hand():
   if not hasattr(nnx, "ModelAndOptimizer"):
     pytest.skip("this flax has no nnx.ModelAndOptimizer")
@@ -176,6 +193,7 @@ def test_nnx_model_and_optimizer_trains_as_the_transformation_driven_by_hand():
   assert_same_leaves(nnx.as_pure(optimizer.opt_state), expected_state)
 
 
+@jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 @pytest.mark.parametrize(("masters", "moments"), PAIRS)
 def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
   tx = make_tx(masters, moments)
@@ -212,11 +230,12 @@ def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
   assert np.abs(np.asarray(model.body.kernel[...][0], np.float32)).max() < 0.1
 
 
+@jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 @pytest.mark.parametrize(("masters", "moments"), PAIRS)
 def test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh(masters, moments):
   assert jax.device_count() == 8, "tests/conftest.py sets 8 host devices"
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-  with jax.set_mesh(mesh):
+  with jax_versions.set_mesh(mesh):
     model = NnxModel(nnx.Rngs(0), sharded=True)
     optimizer = nnx.Optimizer(model, make_tx(masters, moments), wrt=nnx.Param)
     for i in range(2):

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
@@ -21,6 +22,7 @@ from flax import nnx
 from flax.training import train_state
 
 import mpx
+from mpx._src import compat
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 PyTree = Any
@@ -159,6 +161,7 @@ def _nnx_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y) -> jax.Array:
   return loss
 
 
+@jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 def test_nnx_optimizer_bf16_with_mixed_precision():
   x, y = _regression_data(1)
   model = _NnxMLP(BF16, nnx.Rngs(0))
@@ -182,6 +185,7 @@ def test_nnx_optimizer_bf16_with_mixed_precision():
   assert _dtypes((adam_state.mu, adam_state.nu)) == {np.dtype(F32)}
 
 
+@jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 def test_nnx_optimizer_fp16_with_loss_scale_skips_overflow():
   x, y = _regression_data(2)
   model = _NnxMLP(F16, nnx.Rngs(1))

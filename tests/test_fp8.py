@@ -13,12 +13,14 @@ type's largest finite value.
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import ml_dtypes
 import numpy as np
 import optax
 import pytest
 
 import mpx
+from mpx._src import compat
 
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 MASTERS = [jnp.float16, jnp.float32]
@@ -47,10 +49,19 @@ def test_optax_apply_updates_refuses_fp8_params():
   """Why the docs need a recipe: if this starts to pass, revisit docs/howto.md."""
   params = {"w": jnp.ones(4, jnp.float8_e4m3fn)}
   updates = {"w": jnp.full(4, 0.5, jnp.float32)}
-  with pytest.raises(jax.dtypes.TypePromotionError):
+  with pytest.raises(jax_versions.type_promotion_error()):
     optax.apply_updates(params, updates)
 
 
+@jax_versions.below_jax(compat.FLOAT8_NEEDS_JAX, "what mpx says to an older jax")
+@pytest.mark.parametrize("param_dtype", FP8, ids=lambda d: jnp.dtype(d).name)
+def test_fp8_params_on_an_older_jax_name_the_version_they_need(param_dtype):
+  tx = mpx.mixed_precision(optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"float8 params .* need jax >= 0\.7\.0"):
+    tx.init({"w": jnp.ones(4, param_dtype)})
+
+
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 @pytest.mark.parametrize("master_dtype", MASTERS, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("param_dtype", FP8, ids=lambda d: jnp.dtype(d).name)
 def test_fp8_training_loop_lands_on_the_rounded_masters(param_dtype, master_dtype):
@@ -83,6 +94,7 @@ def test_fp8_training_loop_lands_on_the_rounded_masters(param_dtype, master_dtyp
   assert losses[-1] < losses[0] / 50, losses[::10]
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 @pytest.mark.parametrize("param_dtype", FP8, ids=lambda d: jnp.dtype(d).name)
 def test_fp8_params_saturate_and_skipped_steps_change_nothing(param_dtype):
   limit = float(ml_dtypes.finfo(np.dtype(param_dtype)).max)

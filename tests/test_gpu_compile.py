@@ -73,6 +73,7 @@ def test_no_conditional_in_a_gpu_program(profiles, name):
   assert profile.conditionals == 0
 
 
+@pytest.mark.xla_cost
 @pytest.mark.parametrize("name", NAMES)
 def test_bytes_moved_within_2_per_param_of_the_floor(profiles, name, request):
   if name in EIGHT_BIT:
@@ -81,6 +82,7 @@ def test_bytes_moved_within_2_per_param_of_the_floor(profiles, name, request):
   assert profile.bytes / n <= gpu_compile.FLOORS[name] + 2
 
 
+@pytest.mark.xla_cost
 @pytest.mark.parametrize("name", NAMES)
 def test_no_copies_and_scratch_under_a_tenth_of_a_byte_per_param(profiles, name, request):
   if name in EIGHT_BIT:
@@ -116,6 +118,7 @@ def test_on_8_gpus_with_zero1_no_conditional_and_only_the_params_all_gather(zero
   assert found.get("all-reduce", 0) <= 1, found
 
 
+@pytest.mark.xla_cost
 @pytest.mark.parametrize("name", MPX_NAMES)
 def test_on_8_gpus_with_zero1_scratch_at_most_the_state_per_device(zero1, name, request):
   if name in EIGHT_BIT:

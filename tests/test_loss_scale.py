@@ -353,6 +353,7 @@ def test_axis_name_under_shard_map_on_8_devices():
   code = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np, optax, mpx
+    import jax_versions
     from jax.sharding import Mesh, PartitionSpec as P
     assert jax.device_count() == 8, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -365,7 +366,7 @@ def test_axis_name_under_shard_map_on_8_devices():
     def per_device(local, state, params):
       updates, state = tx.update(local[0], state, params)
       return updates[None], jax.tree.map(lambda x: x[None], state)
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P()),
+    fn = jax_versions.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P()),
                        out_specs=(P("data"), P("data")), check_vma=False)
     updates, states = jax.jit(fn)(local, state, params)
     assert not np.any(np.asarray(updates)), updates
@@ -375,6 +376,8 @@ def test_axis_name_under_shard_map_on_8_devices():
     """
   )
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  tests = os.path.dirname(os.path.abspath(__file__))  # for jax_versions
+  env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
   result = subprocess.run(
     [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
   )

@@ -2,12 +2,14 @@
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
 from treecheck import round_like_params, skip_recorded, tree_equal
 
 import mpx
+from mpx._src import compat
 
 
 def random_tree(seed: int, dtype, shapes=((16, 8), (8,), (8, 4))):
@@ -27,6 +29,7 @@ def test_rejects_non_floating_dtype_and_non_transformations():
     mpx.mixed_precision(None)
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 def test_masters_exist_exactly_for_floating_leaves_narrower_than_dtype():
   params = {
     "bf16": jnp.ones(3, jnp.bfloat16),
@@ -61,7 +64,7 @@ def test_inner_state_and_injected_hyperparameters_are_float32():
 
 
 def test_float64_leaves_are_updated_directly_and_never_downcast():
-  with jax.enable_x64(True):
+  with jax_versions.enable_x64():
     params = {"f64": jnp.ones(3, jnp.float64), "bf16": jnp.ones(3, jnp.bfloat16)}
     tx = mpx.mixed_precision(optax.adam(1e-3))
     state = tx.init(params)

@@ -436,6 +436,7 @@ with open(sys.argv[2], "wb") as f:
 """
 
 
+@pytest.mark.xla_cost
 def test_in_a_one_device_process_compressed_moments_are_written_in_place(tmp_path):
   """With one device, compression is ordered after the master update (see
   mixed_precision), so XLA writes each compressed moment over its old value

@@ -15,6 +15,7 @@ branch typing. Runs on the 8 host CPU devices that tests/conftest.py asks for.
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
@@ -22,6 +23,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpx
+
+pytestmark = jax_versions.requires_jax("0.6.1", "shard_map's check_vma types (vma)")
 
 STEPS = 4
 POISONED = (1, 5)  # (step, device): one device's batch overflows at that step
@@ -90,7 +93,9 @@ def replicated_step(step, mesh, state_specs):
   """``step(params, state, x, y)`` jitted under ``shard_map``: params and
   state replicated, the batch split over ``data``."""
   in_specs = (P(), state_specs, P("data"), P("data"))
-  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), state_specs)))
+  return jax.jit(
+    jax_versions.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), state_specs))
+  )
 
 
 def test_replicated_params_with_gradients_reduced_by_autodiff(mesh):
@@ -133,7 +138,7 @@ def fsdp_setup(mesh, tx):
     return optax.apply_updates(params, updates), state
 
   step = jax.jit(
-    jax.shard_map(
+    jax_versions.shard_map(
       step,
       mesh=mesh,
       in_specs=(param_specs, state_specs, P("data"), P("data")),
@@ -169,7 +174,7 @@ def test_per_device_gradients_of_replicated_params_name_the_fix(mesh, wrap):
   state_specs = jax.tree.map(lambda _: P(), state)
 
   def step(params, state, x, y):
-    local = jax.lax.pcast(params, "data", to="varying")  # grads of the local loss alone
+    local = jax_versions.varying(params, "data")  # grads of the local loss alone
     grads = jax.grad(lambda p: loss_fn(p, x, y))(local)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
@@ -223,7 +228,7 @@ def test_split_params_with_a_replicated_state_name_the_fix(mesh):
 
   in_specs = (param_specs, state_specs, P("data"), P("data"))
   step = jax.jit(
-    jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(param_specs, state_specs))
+    jax_versions.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(param_specs, state_specs))
   )
   x, y = batches()[0]
   with pytest.raises(ValueError, match=r"master has shape \[16, 8\].*zero1_shardings"):

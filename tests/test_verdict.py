@@ -10,6 +10,7 @@ grew its scale), replicas that split, a chain that advanced around a skipped
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from treecheck import skip_recorded, tree_equal
 
 import mpx
+from mpx._src import compat
 
 F16_MAX = float(jnp.finfo(jnp.float16).max)  # 65504
 
@@ -53,6 +55,7 @@ CAST_CASES = {
 }
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 @pytest.mark.parametrize("case", list(CAST_CASES))
 @pytest.mark.parametrize("wrapped", ["alone", "under loss_scale"])
 def test_a_cast_that_overflows_skips_the_step_and_every_state_records_it(case, wrapped):
@@ -91,7 +94,7 @@ def test_a_cast_that_overflows_skips_the_step_and_every_state_records_it(case, w
 
 
 def test_float64_gradient_narrowed_to_float32_masters_is_a_skip():
-  with jax.enable_x64(True):
+  with jax_versions.enable_x64():
     params = {"w": jnp.ones(2, jnp.bfloat16)}
     tx = mpx.loss_scale(mpx.mixed_precision(optax.sgd(1e-3)), **_scale_rule())
     state = tx.init(params)
@@ -106,7 +109,7 @@ def test_float64_gradient_narrowed_to_float32_masters_is_a_skip():
 def test_a_leaf_without_a_master_is_never_cast(make):
   """A float64 leaf has no float32 master: it is unscaled in float64, so a
   gradient of 1e300 is applied, as mixed_precision alone applies it."""
-  with jax.enable_x64(True):
+  with jax_versions.enable_x64():
     params = {"w": jnp.ones(2, jnp.bfloat16), "big": jnp.ones(2, jnp.float64)}
     mp = mpx.mixed_precision(optax.sgd(1e-300))
     tx = (
@@ -155,6 +158,7 @@ def test_a_rule_before_mixed_precision_that_makes_inf_skips_the_whole_step(maste
   assert float(second.loss_scale) == float(first.loss_scale) / 2
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 def test_a_partition_rolls_back_every_group_when_one_mixed_precision_skips():
   params = {"low": jnp.ones(4, jnp.float8_e5m2), "full": jnp.ones(2, jnp.float32)}
   inner = optax.partition(
@@ -209,6 +213,7 @@ def _check_all_skipped(updates, states):
   assert np.all(np.asarray(states.loss_scale) == 0.5)
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 def test_the_verdict_after_the_cast_is_agreed_across_axis_name_under_vmap():
   tx, params, local = _split_verdict_case()
   state = tx.init(params)
@@ -218,6 +223,7 @@ def test_the_verdict_after_the_cast_is_agreed_across_axis_name_under_vmap():
   _check_all_skipped(updates, states)
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
 def test_the_verdict_after_the_cast_is_agreed_across_axis_name_under_shard_map():
   tx, params, local = _split_verdict_case()
@@ -229,7 +235,7 @@ def test_the_verdict_after_the_cast_is_agreed_across_axis_name_under_shard_map()
     updates, state = tx.update(local[0], state, params)
     return updates[None], jax.tree.map(lambda x: x[None], state)
 
-  fn = jax.shard_map(
+  fn = jax_versions.shard_map(
     per_device,
     mesh=mesh,
     in_specs=(P("data"), P(), P()),
@@ -255,6 +261,7 @@ def test_mixed_precision_alone_counts_applied_and_skipped_steps():
   assert int(state.inner_state[0].count) == sum(pattern)  # adam's own count agrees
 
 
+@jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
 def test_a_skip_inside_a_chain_is_agreed_across_axis_name():
   """General path with axis_name: replica 5's mixed_precision alone meets a
   cast overflow behind a clip; every replica rolls back, its own

@@ -18,6 +18,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
@@ -62,7 +63,7 @@ def counting_compilations():
   try:
     yield compiled
   finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
+    jax_versions.unregister_event_duration_listener(listener)
 
 
 def setup(mesh_name, masters, loss_scaled):

@@ -32,7 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import full_precision, skip, state_search, storage, validation, variables, verdict
+from mpx._src import (
+  compat,
+  full_precision,
+  skip,
+  state_search,
+  storage,
+  validation,
+  variables,
+  verdict,
+)
 from mpx._src import moments as moments_lib
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
@@ -148,6 +157,7 @@ def mixed_precision(
     _require_dtype_enabled(dtype)
     sources = full_precision.full_precision_sources()
     paths, flat, treedef = _flatten(params)
+    compat.check_float8_supported({getattr(p, "dtype", None) for p in flat})
     stored = [
       mode.kind_for(param, dtype, path).init(param, sources, index, seed)
       for index, (path, param) in enumerate(zip(paths, flat, strict=True))

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mpx._src import compat
+
 
 def apply_if_finite(
   finite: jax.Array,
@@ -74,7 +76,7 @@ def _by_cond(
     new_state, outputs = step(state, args)
     # JAX traces this branch first, so the other one can build its zeros from
     # these shapes instead of tracing the step a second time.
-    outputs_like.append(jax.tree.map(jax.ShapeDtypeStruct.like, outputs))
+    outputs_like.append(jax.tree.map(compat.shape_dtype_struct_like, outputs))
     return new_state, outputs, jnp.asarray(True)
 
   def skip(state, args):

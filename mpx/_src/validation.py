@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 
-from mpx._src import state_search
+from mpx._src import compat, state_search
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES
 
@@ -92,8 +92,7 @@ def varying_axes(leaf: Any) -> frozenset[Any]:
     aval = jax.typeof(leaf)
   except TypeError:
     return frozenset()
-  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; `vma` before
-  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
+  return compat.varying_axes_of(aval)
 
 
 def _varying_axes_of_any(grads: Any) -> frozenset[Any]:

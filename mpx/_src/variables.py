@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpx._src import moments
+from mpx._src import compat, moments
 from mpx._src import tree as tree_lib
 
 
@@ -34,6 +34,7 @@ def fit_variables(state: Any) -> Any:
   def fit(node: Any) -> Any:
     if not isinstance(node, variable_type):
       return node
+    compat.check_nnx_supported()
     value: Any = node.get_value()
     if moments.is_compressed(value):
       shape = np.shape(value[0])  # the codes or values: the param's shape
