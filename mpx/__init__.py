@@ -1,13 +1,7 @@
 """mpx: mixed-precision training as optax gradient transformations.
 
-Two lines change in an optax training loop::
-
-    tx = mpx.loss_scale(mpx.mixed_precision(optax.adamw(3e-4)))  # fp16
-    tx = mpx.mixed_precision(optax.adamw(3e-4))                   # bf16
-
-:func:`mixed_precision` keeps float32 master weights in the optimizer state and
-runs the wrapped rule on them; :func:`loss_scale` scales the loss, unscales the
-gradients in float32, skips non-finite steps and adapts the scale.
+``mpx.mixed_precision(optax.adamw(3e-4))`` trains bfloat16 params on float32
+masters; wrap it in ``mpx.loss_scale`` for float16.
 """
 
 from mpx._src.finite import all_finite

@@ -1,8 +1,7 @@
 """``init_from_full_precision``: masters seeded from full-precision weights.
 
 ``mixed_precision``'s ``init`` asks :func:`full_precision_sources` what each
-master is made from; outside :func:`init_from_full_precision` that is the
-param itself.
+master is made from (docs/design.md, "the one context variable").
 """
 
 from __future__ import annotations
@@ -19,13 +18,8 @@ import optax
 from mpx._src import rounding, validation
 from mpx._src import tree as tree_lib
 
-# optax's init(params) has no channel for a second tree, so
-# init_from_full_precision publishes, for the one tx.init call it makes, the
-# full-precision value of each low-precision leaf it passes in, keyed by that
-# leaf's identity: whatever wrappers sit between it and a mixed_precision
-# (chain, masked, partition, MultiSteps) hand the same leaf objects down, so
-# identity finds the exact source even where the tree was reshaped on the way,
-# which key paths would not. See docs/design.md.
+# Keyed by leaf identity, which survives any wrapper's reshaping of the tree
+# where key paths would not (docs/design.md, "the one context variable").
 
 
 class _MasterSources:
@@ -53,7 +47,7 @@ _MASTER_SOURCES: contextvars.ContextVar[_MasterSources | None] = contextvars.Con
 
 
 def full_precision_sources() -> Callable[[Any], Any]:
-  """What a master is made from: the full-precision source of a leaf while
+  """Returns what a master is made from: a leaf's full-precision source while
   init_from_full_precision runs tx.init, else the leaf itself."""
   sources = _MASTER_SOURCES.get()
   return (lambda leaf: leaf) if sources is None else sources.take
@@ -130,9 +124,8 @@ def init_from_full_precision(
 
 
 def _cast_for_masters(leaf: Any, param_dtype: Any) -> jax.Array:
-  """A full-precision leaf as the low-precision param its master rounds to:
-  bfloat16 by mpx's ties-away rule (see :mod:`mpx._src.rounding`), any other
-  dtype to nearest even, saturating."""
+  """Casts a full-precision leaf to the param its master rounds to: bfloat16
+  ties away (docs/concepts_masters.md), other dtypes to nearest even, saturating."""
   leaf = jnp.asarray(leaf)
   if jnp.dtype(param_dtype) == jnp.bfloat16 and leaf.dtype != jnp.bfloat16:
     return rounding.round_ties_away(rounding.canonical(leaf.astype(jnp.float32)))

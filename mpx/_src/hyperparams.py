@@ -83,11 +83,9 @@ def adjust(opt_state: optax.OptState, **hyperparams: Any) -> optax.OptState:
       raise ValueError(
         f"adjust: {name!r} has shape {old.shape}; got a value of shape {new.shape}."
       ) from error
-    # Where the old value lives (a mesh, under zero1_shardings), so the jitted
-    # step sees the same input sharding: no recompilation, no transfer. An
-    # uncommitted old value (eager init on the default device) is replaced by
-    # an uncommitted one, as jnp.asarray made it: jit compiles committed
-    # arguments separately.
+    # Put it where the old value lives, so the jitted step sees the same input
+    # sharding; an uncommitted old value gets an uncommitted new one, since jit
+    # compiles committed arguments separately.
     concrete = not isinstance(old, jax.core.Tracer) and not isinstance(new, jax.core.Tracer)
     if concrete and old.committed:
       new = jax.device_put(new, old.sharding)

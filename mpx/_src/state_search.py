@@ -1,9 +1,7 @@
-"""Finding and replacing mpx's own states wherever optax nests them.
+"""Finding and replacing states of a given type wherever optax nests them.
 
-Optimizer states are trees of NamedTuples (chain tuples, ``MultiStepsState``,
-``InjectStatefulHyperparamsState``, ``PartitionState`` ...). These helpers
-treat instances of a given state class as leaves, so the class is found at
-any depth without knowing the wrappers around it.
+Instances of the type are treated as leaves, so they are found at any depth
+without knowing the wrappers (chain, ``MultiSteps``, partitions) around them.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ State = TypeVar("State")
 
 
 def find_states(tree: Any, state_type: type[State] | tuple[type, ...]) -> list[State]:
-  """All instances of ``state_type`` in ``tree``, outermost first, in tree order."""
+  """Returns all instances of ``state_type`` in ``tree``, outermost first, in tree order."""
   found: list[State] = []
 
   def visit(node: Any) -> None:
@@ -52,11 +50,9 @@ def replace_states(
 
 
 def chained_after(tree: Any, state_type: type | tuple[type, ...]) -> list[Any]:
-  """The states that an ``optax.chain`` runs after a ``state_type`` state, at
-  any depth of ``tree``. optax.chain's state is a plain tuple of its rules'
-  states, in order (every other optax state is a NamedTuple, a dict or a
-  leaf), so a ``state_type`` instance inside a plain tuple, before its end,
-  is a rule chained in front of others."""
+  """Returns the states an ``optax.chain`` runs after a ``state_type`` state,
+  at any depth. optax.chain's state is the one plain tuple among optax's states
+  (the others are NamedTuples, dicts or leaves), its rules' states in order."""
   found: list[Any] = []
 
   def visit(node: Any) -> None:

@@ -1,11 +1,7 @@
 """Every optimizer state mpx makes, in one place.
 
-The rule: a state type is defined here, and nowhere else, so that each
-transformation reads the other's state through these public types and never
-through the other's module. The three ``mixed_precision`` states differ only
-in the field that holds what is stored per parameter (its name says what it
-holds, so ``optax.tree.get`` finds it); their other fields, and their order,
-are the same.
+A state type lives here and nowhere else, so each transformation reads the
+other's state through these types (docs/design.md, "The modules").
 """
 
 from __future__ import annotations

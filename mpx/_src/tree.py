@@ -1,7 +1,6 @@
 """Pytree helpers for mixed precision: leaf types, holes, selection and casting.
 
-Only floating leaves are ever inspected or cast: integer step counters, booleans
-and PRNG keys pass through untouched.
+Only floating leaves are cast; counters, booleans and PRNG keys pass through.
 """
 
 from __future__ import annotations
@@ -20,20 +19,20 @@ LeafPredicate = Callable[[str, Any], bool]
 
 
 def no_master(leaf: Any) -> bool:
-  """Whether ``leaf`` is the ``optax.MaskedNode`` that stands in
-  ``MixedPrecisionState.master_params`` for a param with no master copy."""
+  """Returns whether ``leaf`` is the ``optax.MaskedNode`` that stands in a
+  state's stored tree for a param with no master copy."""
   return isinstance(leaf, optax.MaskedNode)
 
 
 def is_placeholder(leaf: Any) -> bool:
-  """Whether ``leaf`` is None or an ``optax.MaskedNode``: a position that holds
-  no array, compared as a leaf when two trees' structures are checked."""
+  """Returns whether ``leaf`` is None or an ``optax.MaskedNode``: a position
+  that holds no array, compared as a leaf when two trees are lined up."""
   return leaf is None or isinstance(leaf, optax.MaskedNode)
 
 
 def leaf_dtype(leaf: Any) -> Any:
-  """The dtype of an array-like leaf (PRNG keys give their extended dtype), or
-  None for non-numeric leaves."""
+  """Returns the dtype of an array-like leaf (PRNG keys give their extended
+  dtype), or None for non-numeric leaves."""
   dtype = getattr(leaf, "dtype", None)
   if dtype is not None:
     return dtype
@@ -43,13 +42,13 @@ def leaf_dtype(leaf: Any) -> Any:
 
 
 def is_floating(leaf: Any) -> bool:
-  """True for real floating-point leaves (f64 ... fp8), False for all else."""
+  """Returns True for real floating-point leaves (f64 ... fp8), else False."""
   dtype = leaf_dtype(leaf)
   return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def float_bits(leaf: Any) -> int:
-  """The width in bits of a floating leaf's dtype (64 ... 8)."""
+  """Returns the width in bits of a floating leaf's dtype (64 ... 8)."""
   return jnp.finfo(leaf_dtype(leaf)).bits
 
 
@@ -151,8 +150,8 @@ def cast_tree(
 def map_floating(
   tree: PyTree, fn: Callable[[Any], Any], where: LeafPredicate | PyTree | None = None
 ) -> PyTree:
-  """``fn`` applied to the floating leaves of ``tree`` that ``where`` selects
-  (as in :func:`cast_tree`); every other leaf as it is."""
+  """Applies ``fn`` to the floating leaves of ``tree`` that ``where`` selects
+  (as in :func:`cast_tree`); every other leaf stays as it is."""
 
   def apply(leaf):
     return fn(leaf) if is_floating(leaf) else leaf
@@ -194,11 +193,9 @@ def saturating_cast(x: Any, dtype: Any) -> jax.Array:
 
 
 def strong_types(tree: PyTree) -> PyTree:
-  """``tree`` with every weakly typed array made strongly typed (same dtype,
-  same bits). A rule's ``init`` may hold Python scalars as weak types that its
-  update returns strong; a skip by select keeps each leaf's type, so a weak
-  leaf would come back strong from the first step and the step compile again.
-  """
+  """Makes every weakly typed array in ``tree`` strongly typed (same bits).
+  A skip by select keeps each leaf's type, so a weak leaf of a rule's init,
+  returned strong by its update, would make the second step compile again."""
 
   def strong(x: Any) -> Any:
     if isinstance(x, jax.Array) and getattr(jax.typeof(x), "weak_type", False):

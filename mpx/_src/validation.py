@@ -1,6 +1,6 @@
-"""Checks of the transformations' inputs: a clear error naming the leaf and the
-fix, at construction or trace time, instead of a silent wrong answer (see
-docs/guarantees.md). All of them run at trace time: none costs a step anything.
+"""Checks of the transformations' inputs, at construction or trace time: an
+error naming the leaf and the fix instead of a silent wrong answer
+(docs/guarantees.md). None costs a compiled step anything.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ FP8_COLLECTION = "_overwrite_with_gradient"
 
 
 def refuse_fp8_metadata(name: str, params: Any) -> None:
-  """Refuses flax fp8 metadata among the params: an optimizer would treat the
-  new values that come as their gradients as gradients (unscale them, step
-  on them), and nothing would keep them on a skipped step."""
+  """Refuses flax fp8 metadata among the params: an optimizer would step on
+  the new values that come as their "gradients", and a skip would drop them."""
   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
     if any(getattr(key, "key", None) == FP8_COLLECTION for key in path):
       raise ValueError(
@@ -49,7 +48,7 @@ def refuse_fp8_metadata(name: str, params: Any) -> None:
 
 
 def describe(leaf: Any) -> str:
-  """``float32[2, 3]``-style text for error messages."""
+  """Describes a leaf as ``float32[2, 3]``-style text for error messages."""
   dtype = tree_lib.leaf_dtype(leaf)
   if dtype is None:
     return type(leaf).__name__
@@ -61,12 +60,9 @@ def zip_leaves(
   second: Any,
   mismatch: Callable[[Any, Any], Exception],
 ) -> Iterator[tuple[str, Any, Any]]:
-  """``(path, leaf of first, leaf of second)`` for two trees of one structure.
-
-  None and ``optax.MaskedNode`` count as leaves, so a hole in one tree must be
-  a hole in the other. If the structures differ, raises
-  ``mismatch(first_treedef, second_treedef)``.
-  """
+  """Yields ``(path, leaf of first, leaf of second)`` for two trees of one
+  structure, holes (None, ``optax.MaskedNode``) counted as leaves; raises
+  ``mismatch(first_treedef, second_treedef)`` if the structures differ."""
   first_def: Any = jax.tree.structure(first, is_leaf=tree_lib.is_placeholder)
   second_def: Any = jax.tree.structure(second, is_leaf=tree_lib.is_placeholder)
   if first_def != second_def:
@@ -77,15 +73,14 @@ def zip_leaves(
 
 
 def gradient_params(params: Any) -> Any:
-  """The part of ``params`` that gradients mirror: the fast weights of
-  ``optax.lookahead``'s ``LookaheadParams`` (its update takes their gradients
-  alone and returns updates for fast and slow weights), else ``params``."""
+  """Returns the part of ``params`` that gradients mirror: the fast weights of
+  ``optax.lookahead``'s ``LookaheadParams``, else ``params``."""
   return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def varying_axes(leaf: Any) -> frozenset[Any]:
-  """The mesh axes ``leaf`` varies over inside a ``shard_map`` that checks
-  them (``check_vma=True``, its default); empty elsewhere."""
+  """Returns the mesh axes ``leaf`` varies over inside a ``shard_map`` that
+  checks them (``check_vma=True``, its default); empty elsewhere."""
   if leaf is None or tree_lib.is_placeholder(leaf):
     return frozenset()
   try:
@@ -96,7 +91,7 @@ def varying_axes(leaf: Any) -> frozenset[Any]:
 
 
 def _varying_axes_of_any(grads: Any) -> frozenset[Any]:
-  """The mesh axes some leaf of ``grads`` varies over."""
+  """Returns the mesh axes some leaf of ``grads`` varies over."""
   return frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
 
 
@@ -105,16 +100,15 @@ def _axes_text(axes: frozenset[Any]) -> str:
 
 
 def _axes_arg(axes: frozenset[Any]) -> str:
-  """The axes as an ``axis_name`` argument: one name, or a tuple of them."""
+  """Spells the axes as an ``axis_name`` argument: one name, or a tuple."""
   names = tuple(sorted(axes, key=str))
   return repr(names[0] if len(names) == 1 else names)
 
 
 def check_gradient_varies_like_param(name: str, path: str, grad: Any, param: Any) -> None:
-  """Inside ``shard_map``, a gradient that varies over a mesh axis its param
-  does not (per-device gradients of replicated params) would move each
-  device's copy of the param and its state its own way: ``lax.cond`` and
-  ``shard_map`` would refuse it later, naming neither the leaf nor the fix."""
+  """Refuses a gradient that varies over a mesh axis its param does not
+  (per-device gradients of replicated params inside ``shard_map``), which
+  ``lax.cond`` would refuse later naming neither the leaf nor the fix."""
   extra = varying_axes(grad) - varying_axes(param)
   if not extra:
     return
@@ -129,8 +123,8 @@ def check_gradient_varies_like_param(name: str, path: str, grad: Any, param: Any
 
 
 def check_gradients_vary_like_params(name: str, grads: Any, params: Any) -> None:
-  """:func:`check_gradient_varies_like_param` for every leaf; trees that do
-  not line up are left to :func:`check_grads_match_params` to name."""
+  """Runs :func:`check_gradient_varies_like_param` on every leaf; trees that
+  do not line up are left to :func:`check_grads_match_params` to name."""
   params = gradient_params(params)
   flat, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=tree_lib.is_placeholder)
   grads_def: Any = treedef
@@ -141,10 +135,9 @@ def check_gradients_vary_like_params(name: str, grads: Any, params: Any) -> None
 
 
 def check_verdict_agrees(name: str, grads: Any, scale: Any, axis_name: Any) -> None:
-  """Inside ``shard_map``, gradients that vary over a mesh axis that
-  ``axis_name`` does not reduce give each device its own verdict, while the
-  loss scale is one value for all: the skip would differ between devices.
-  Refused naming the ``axis_name`` to pass."""
+  """Refuses gradients that vary over a mesh axis that neither ``axis_name``
+  reduces nor the loss scale varies over: each device would skip on its own
+  verdict. The message names the ``axis_name`` to pass."""
   axes = _varying_axes_of_any(grads)
   names = () if axis_name is None else axis_name
   reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
@@ -160,10 +153,9 @@ def check_verdict_agrees(name: str, grads: Any, scale: Any, axis_name: Any) -> N
 
 
 def check_own_verdict_agrees(name: str, grads: Any, counter: Any) -> None:
-  """``mixed_precision`` without ``loss_scale`` has no ``axis_name``: inside
-  ``shard_map``, gradients that vary over a mesh axis its counters do not
-  (FSDP's split gradients) give each device its own verdict. Refused naming
-  the wrapper whose ``axis_name`` agrees it."""
+  """Refuses gradients that vary over a mesh axis the counters do not (FSDP
+  under ``mixed_precision`` alone, which has no ``axis_name``). The message
+  names the wrapper whose ``axis_name`` agrees the verdict."""
   axes = _varying_axes_of_any(grads)
   loose = axes - varying_axes(counter)
   if not loose:
@@ -177,12 +169,10 @@ def check_own_verdict_agrees(name: str, grads: Any, counter: Any) -> None:
 
 
 def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
-  """Gradients must have the params' structure (the fast weights' under
-  ``optax.lookahead``, see ``gradient_params``), and every floating param a
-  floating gradient of its shape (a broadcastable one would be silently
-  broadcast; an integer one would skip unscaling), or of its shape behind
-  leading axes: per-example gradients, as DP-SGD takes. Returns whether there
-  are such; the caller then checks the updates (``check_updates_reduced``)."""
+  """Checks that ``grads`` have the structure of ``gradient_params(params)`` and
+  each floating param a floating gradient of its shape (a broadcastable one
+  would broadcast silently) or of it behind per-example axes; returns whether
+  any are per-example (then see ``check_updates_reduced``)."""
 
   def mismatch(grads_def, params_def):
     return ValueError(
@@ -218,8 +208,8 @@ def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
 
 
 def check_updates_reduced(name: str, updates: Any, params: Any) -> None:
-  """With per-example gradients, the inner rule must have reduced the
-  leading axes: every update of a floating param has that param's shape."""
+  """Checks that the inner rule reduced per-example gradients' leading axes:
+  every update of a floating param has that param's shape."""
 
   def mismatch(updates_def, params_def):
     return ValueError(
@@ -243,8 +233,8 @@ def _signature(leaf: Any) -> tuple[tuple[int, ...], Any]:
 
 
 def check_state_type(name: str, state: Any, state_type: type) -> None:
-  """``state`` must be a ``state_type``; a dict gets the fix for a checkpoint
-  restored without a target, which is how one usually arrives."""
+  """Raises a TypeError unless ``state`` is a ``state_type``; a dict gets the
+  fix for a checkpoint restored without a target, which is how one arrives."""
   if isinstance(state, state_type):
     return
   hint = "pass the state made by this transformation's init."
@@ -259,8 +249,8 @@ def check_state_type(name: str, state: Any, state_type: type) -> None:
 
 
 def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> None:
-  """``state`` must have the structure, shapes and dtypes (weak types aside)
-  of ``expected``, the abstract state this transformation's init builds."""
+  """Checks that ``state`` has the structure, shapes and dtypes (weak types
+  aside) of ``expected``, the abstract state this transformation's init builds."""
   intro = f"{name}: opt_state was not made by this transformation's init (or not for these params)"
 
   def mismatch(state_def, expected_def):
@@ -274,8 +264,8 @@ def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> 
 
 
 def check_state_types_kept(name: str, new_state: Any, old_state: Any) -> None:
-  """A skipped step returns the old state, so the inner rule must return its
-  state with the types it was given; name the leaf where it does not."""
+  """Checks that the inner rule returned its state with the types it was given,
+  since a skipped step returns the old state; names the leaf where not."""
 
   def mismatch(new_def, old_def):
     return TypeError(
@@ -296,8 +286,8 @@ def check_state_types_kept(name: str, new_state: Any, old_state: Any) -> None:
 def check_stored_leaf(
   field: str, path: str, stored: Any, want: Any, param: Any, dtype: Any
 ) -> None:
-  """What a ``mixed_precision`` state stores for one param leaf (``path`` in
-  its ``field``) must be what its init would store (``want``, abstract)."""
+  """Checks that what a ``mixed_precision`` state stores for one param leaf
+  (``path`` in its ``field``) is what its init would store (``want``)."""
   if tree_lib.is_placeholder(want) and not tree_lib.is_placeholder(stored):
     raise ValueError(
       f"mixed_precision: param {path!r} is {describe(param)}, but the state "

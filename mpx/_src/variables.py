@@ -15,16 +15,9 @@ from mpx._src import tree as tree_lib
 def fit_variables(state: Any) -> Any:
   """Returns ``state`` with each nnx ``Variable`` holding one array its sharding fits.
 
-  ``nnx.Optimizer`` initialises a rule on ``Variable``-wrapped params, so each
-  leaf mpx stores for a param comes back inside that param's ``Variable``,
-  metadata and all. Two kinds of leaf would not fit it: a compressed moment
-  (a NamedTuple: nnx rebuilds a ``Variable``'s structured value as a nested
-  ``State`` on every ``nnx.update``) and a leaf of another shape than the
-  param's (a stochastic rounding key, the 8-bit block scales), which the
-  param's ``out_sharding`` would misdescribe. So a compressed moment becomes
-  a NamedTuple of ``Variable``s, and each axis whose length is not the
-  param's loses its sharding. Without flax imported, nothing can be a
-  ``Variable`` and ``state`` is returned as is.
+  A compressed moment becomes a NamedTuple of ``Variable``s, and an axis
+  whose length is not the param's loses its sharding (docs/howto.md, "Use a
+  flax nnx Optimizer"). Without flax imported, ``state`` is returned as is.
   """
   nnx = sys.modules.get("flax.nnx")
   if nnx is None:
@@ -47,9 +40,9 @@ def fit_variables(state: Any) -> Any:
 
 
 def _rewrap(variable: Any, value: Any, param_shape: tuple[int, ...] | None) -> Any:
-  """A ``Variable`` of ``variable``'s type and metadata around ``value``, its
-  ``out_sharding`` kept on the axes where ``value`` has the param's length
-  (``param_shape``; None: ``value`` is the variable's own value)."""
+  """Wraps ``value`` in a ``Variable`` like ``variable``, its ``out_sharding``
+  kept on the axes where ``value`` has the param's length (``param_shape``;
+  None: ``value`` is the variable's own value)."""
   metadata = variable.get_metadata()
   axes = tuple(metadata.pop("out_sharding", None) or ())
   shape = np.shape(value)
