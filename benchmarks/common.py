@@ -1,31 +1,34 @@
-"""Timing, compile counting, host-sync checks and HLO profiles shared by the benchmarks.
+"""Runs and times the benchmarks' jitted steps: counts compiles, checks host syncs.
 
-The machine the benchmarks run on is small and shared, so no single timing is
-trusted: every variant of one benchmark is kept alive at once, the variants run
-in a shuffled order in each of several rounds, each timed between two windows
-of the baseline (and, where it names one, between two windows of its own
-reference case), and what is reported is the median over rounds of the
-per-step time and of the ratios to the adjacent windows.
+Every case is timed in shuffled rounds between two windows of a baseline, and
+the median over rounds of each ratio is what is reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import math
 import os
-import platform
 import random
-import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+
+# Re-exported: the benchmarks and tests read them as common.<name>.
+from benchmarks.hlo import bytes_accessed, hlo_profile, one_element_read_bytes, peak_bytes
+from benchmarks.machine import machine_info
+
+__all__ = [
+  "Case", "Timings", "bytes_accessed", "check_host_syncs", "compile_seconds", "finish_run",
+  "flat_state", "hlo_profile", "interleaved_times", "machine_info", "median",
+  "one_element_read_bytes", "page_bytes", "peak_bytes", "steps_per_round", "tree_bytes",
+  "warm_up",
+]  # fmt: skip
 
 try:
   import resource  # POSIX: page-fault counts
@@ -104,11 +107,15 @@ class Case:
       _RUNNING.pop()
 
   def wait(self) -> None:
+    """Blocks until the last step's state is computed."""
     jax.block_until_ready(self.state)
 
   def compiled(self) -> Any:
-    """The step's executable, from jax's caches when it can (no new trace or
-    compile); else a fresh compile of the same computation."""
+    """Returns the step's executable, from jax's caches when it can.
+
+    Else (a state class that rejects lowering placeholders) compiles the same
+    computation afresh.
+    """
     try:
       return self.step.lower(self.state, *self.args).compile()
     except TypeError:  # a state class that rejects lowering placeholders (jmp)
@@ -119,11 +126,10 @@ class Case:
 def flat_state(
   fn: Callable[..., PyTree], state: PyTree, args: tuple[Any, ...]
 ) -> tuple[Callable[..., PyTree], tuple[Any, ...]]:
-  """``fn`` taking the state as a flat list of leaves, and its arguments.
+  """Rewrites ``fn`` to take the state as a flat list of leaves; returns it and its arguments.
 
-  ``jit(...).lower`` rebuilds argument trees from placeholder objects, which
-  some peers' pytree classes reject in their constructors (jmp's
-  ``DynamicLossScale``); a flat list of arrays lowers the same computation.
+  ``jit(...).lower`` rebuilds argument trees from placeholders, which some
+  peers' pytree classes reject (jmp's ``DynamicLossScale``).
   """
   leaves, treedef = jax.tree.flatten(state)
 
@@ -176,8 +182,10 @@ def finish_run(case: Case) -> None:
 
 
 def steps_per_round(baseline: Case, window_s: float, minimum: int, maximum: int = 200) -> int:
-  """Enough steps for the baseline's timing window to last ``window_s``: short
-  windows of small steps are dominated by noise on a shared machine."""
+  """Picks enough steps for the baseline's timing window to last ``window_s``.
+
+  Short windows of small steps are dominated by noise on a shared machine.
+  """
   estimate = baseline.step_estimate_s or window_s
   return max(minimum, min(maximum, math.ceil(window_s / estimate)))
 
@@ -206,18 +214,24 @@ class Timings:
   references: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def median_ms(self, name: str) -> float:
+    """Returns the median milliseconds per step of ``name``'s windows."""
     return 1e3 * median(self.seconds.get(name, []))
 
   def ratio(self, name: str, base: str) -> float:
-    """Median over rounds of ``name``'s time over ``base``'s; each measured
-    against the baseline next to it in time, so slow phases of the machine
-    cancel out."""
+    """Returns the median over rounds of ``name``'s time over ``base``'s.
+
+    Each is measured against the baseline next to it in time, so slow phases of
+    the machine cancel out.
+    """
     pairs = zip(self.relative.get(name, []), self.relative.get(base, []), strict=False)
     return median([a / b for a, b in pairs])
 
   def paired_ratio(self, name: str) -> float | None:
-    """Median over rounds of ``name``'s time over its reference's adjacent
-    windows in the same round; None for a case without a reference."""
+    """Returns the median over rounds of ``name``'s time over its reference's.
+
+    The reference's windows are those adjacent in the same round; None for a
+    case without a reference.
+    """
     values = self.paired.get(name)
     return median(values) if values else None
 
@@ -232,15 +246,12 @@ def interleaved_times(
 ) -> Timings:
   """Times every case in ``rounds`` rounds, each next to the baseline.
 
-  A round runs ``steps_per_round`` steps of the baseline, then of one case,
-  then of the baseline again, and so on through all cases in a freshly
-  shuffled order: every case's time is compared with baseline windows timed
-  just before and after it. A case that names a reference in ``references``
-  runs between two windows of that reference instead (baseline, reference,
-  case, reference, baseline), so its ratio to the reference is taken against
-  windows adjacent in time too; those extra windows count in no case's
-  ``seconds``. Steps run under ``jax.transfer_guard("disallow")`` for the
-  cases that passed the host-sync check.
+  A round runs a window of the baseline, of one case, of the baseline again,
+  and so on through all cases in a freshly shuffled order. A case that names a
+  reference in ``references`` runs between two windows of that reference too
+  (baseline, reference, case, reference, baseline); those extra windows count
+  in no case's ``seconds``. Cases that passed the host-sync check run under
+  ``jax.transfer_guard("disallow")``.
 
   Args:
     cases: the cases to time (the baseline among them or not).
@@ -299,14 +310,14 @@ def interleaved_times(
 
 
 def _minor_page_faults() -> int:
-  """This process's minor page faults so far (0 where the OS does not say)."""
+  """Counts this process's minor page faults so far (0 where the OS does not say)."""
   if resource is None:
     return 0
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def page_bytes() -> int:
-  """The size of a memory page (what one minor page fault maps)."""
+  """Returns the size of a memory page (what one minor page fault maps)."""
   try:
     return os.sysconf("SC_PAGE_SIZE")
   except (AttributeError, ValueError, OSError):
@@ -314,11 +325,12 @@ def page_bytes() -> int:
 
 
 def median(values: Sequence[float]) -> float:
+  """Returns the median, or NaN for no values."""
   return statistics.median(values) if values else float("nan")
 
 
 def compile_seconds(cases: Sequence[Case], repeats: int, seed: int = 0) -> dict[str, list[float]]:
-  """Trace + lower + compile seconds of each case's step.
+  """Measures the trace + lower + compile seconds of each case's step.
 
   The first sample is the case's first call (:func:`warm_up`; it includes one
   step, negligible at the sizes this is used on); each further repeat compiles
@@ -343,233 +355,6 @@ def compile_seconds(cases: Sequence[Case], repeats: int, seed: int = 0) -> dict[
   return out
 
 
-# The first line of a computation in HLO text: its name, then its signature.
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? ([a-z][a-z0-9-]*)\(")
-
-
-def hlo_profile(compiled: Any) -> dict[str, int]:
-  """Counts the instructions XLA runs, by opcode, outside fused computations.
-
-  Returns a dict with the counts of ``fusion`` kernels (``custom_fusions``:
-  those XLA:CPU hands to a library such as YNNPACK, ``kind=kCustom``),
-  standalone ``copy`` instructions, ``conditional``s, the instructions inside
-  conditional branches, the temporary buffer bytes, and the bytes XLA's cost
-  model says the step accesses (-1 where it does not say).
-  """
-  counts = {"fusion": 0, "copy": 0, "conditional": 0, "in_branches": 0, "custom_fusions": 0}
-  text = compiled.as_text()
-  branch_names = set()
-  for match in re.finditer(r"conditional\(.*?branch_computations=\{([^}]*)\}", text):
-    branch_names.update(n.strip().lstrip("%") for n in match.group(1).split(","))
-  for match in re.finditer(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", text):
-    branch_names.update(match.groups())
-  computation = None
-  for line in text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header:
-      computation = header.group(1)
-      continue
-    if computation is None or "fused" in computation or "fusion" in computation:
-      continue
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    op = m.group(1)
-    if op in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
-      continue
-    if computation in branch_names:
-      counts["in_branches"] += 1
-    if op in counts:
-      counts[op] += 1
-    if op == "fusion" and "kind=kCustom" in line:
-      counts["custom_fusions"] += 1
-  memory = compiled.memory_analysis()
-  counts["temp_bytes"] = int(getattr(memory, "temp_size_in_bytes", 0) or 0)
-  accessed = bytes_accessed(compiled)
-  counts["bytes_accessed"] = -1 if accessed is None else int(accessed)
-  counts["one_element_read_bytes"] = one_element_read_bytes(text)
-  return counts
-
-
-_ELEMENT_BYTES = {
-  "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-  "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-}  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_DEFINITION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ")
-_FUSION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\S+) fusion\((.*?)\), .*calls=%([\w.\-]+)")
-
-
-def _type_bytes(hlo_type: str) -> int:
-  total = 0
-  for dtype, dims in _ARRAY.findall(hlo_type):
-    if dtype in _ELEMENT_BYTES:
-      total += _ELEMENT_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
-
-
-def one_element_read_bytes(hlo_text: str) -> int:
-  """Bytes XLA's cost model counts for kernels that read one element.
-
-  A kernel whose result is one element taken by a ``slice`` of its operands
-  (mpx's ordering of in-place writes reads one element of each large output;
-  see ``mixed_precision._after``) reads that element, but
-  ``cost_analysis()["bytes accessed"]`` counts each operand whole wherever
-  elementwise ops stand between the operand and the slice (checked: ``(y,
-  ravel(y)[:1])`` for ``y = x * 2`` counts 12 bytes an element, ``y``
-  alone 8). Returns the bytes those kernels are charged beyond the element
-  each reads, so a benchmark can report the count without them.
-  """
-  types: dict[str, str] = {}
-  computations: dict[str, str] = {}
-  name = None
-  for line in hlo_text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header:
-      name = header.group(1)
-      computations[name] = ""
-      continue
-    if name is not None:
-      computations[name] += line + "\n"
-    m = _DEFINITION.match(line)
-    if m:
-      types[m.group(1)] = m.group(2)
-  total = 0
-  for line in hlo_text.splitlines():
-    m = _FUSION.match(line)
-    if not m or _type_bytes(m.group(1)) == 0:
-      continue
-    result_elements = sum(
-      math.prod(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(m.group(1))
-    )
-    if result_elements != 1 or " slice(" not in computations.get(m.group(3), ""):
-      continue
-    operands = [o.strip().lstrip("%") for o in m.group(2).split(",") if o.strip()]
-    # Charged: every operand whole; read: the one element it returns.
-    total += sum(_type_bytes(types.get(o, "")) for o in operands) - _type_bytes(m.group(1))
-  return total
-
-
-def bytes_accessed(compiled: Any) -> float | None:
-  """``compiled.cost_analysis()["bytes accessed"]``: XLA's count of the bytes
-  its kernels read and write (operands and outputs of each, as the compiled
-  HLO stands), a device-independent view of how well the step fuses.
-
-  Returns:
-    The figure, or None where the backend gives no cost analysis.
-  """
-  try:
-    cost = compiled.cost_analysis()
-  except (NotImplementedError, RuntimeError):
-    return None
-  # Older jax returns one dict per program of the executable (one here: a
-  # single device), newer jax the dict itself.
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  if not isinstance(cost, Mapping):
-    return None
-  value = cost.get("bytes accessed")
-  return None if value is None else float(value)
-
-
-def peak_bytes(compiled: Any) -> tuple[int, str]:
-  """Peak memory of one step and where the figure comes from.
-
-  XLA:CPU reports no allocator statistics (``memory_stats()`` is None), so the
-  compiled step's own analysis is used: arguments + outputs not aliased to a
-  donated argument + temporaries.
-  """
-  stats = jax.local_devices()[0].memory_stats()
-  if stats and "peak_bytes_in_use" in stats:
-    return int(stats["peak_bytes_in_use"]), "device allocator"
-  m = compiled.memory_analysis()
-  total = (
-    m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-  )
-  return int(total), "compiled.memory_analysis()"
-
-
 def tree_bytes(tree: PyTree) -> int:
+  """Counts the bytes of a tree's arrays."""
   return int(sum(np.dtype(x.dtype).itemsize * np.prod(x.shape) for x in jax.tree.leaves(tree)))
-
-
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def mpx_provenance() -> str:
-  """mpx's version, and the commit of the checkout it was imported from."""
-  import mpx
-
-  text = mpx.__version__
-  root = os.path.dirname(os.path.dirname(os.path.abspath(mpx.__file__)))
-  try:
-    commit = subprocess.run(
-      ["git", "-C", root, "rev-parse", "--short", "HEAD"],
-      capture_output=True,
-      text=True,
-      timeout=10,
-      check=True,
-    ).stdout.strip()
-    dirty = subprocess.run(
-      ["git", "-C", root, "status", "--porcelain", "--", "mpx"],
-      capture_output=True,
-      text=True,
-      timeout=10,
-      check=True,
-    ).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return text
-  return f"{text} at commit {commit}" + (" with uncommitted changes in mpx/" if dirty else "")
-
-
-def machine_info() -> dict[str, str]:
-  """What the report says about where it ran."""
-  import flax
-  import optax
-
-  try:
-    cores = len(os.sched_getaffinity(0))
-  except AttributeError:
-    cores = os.cpu_count() or 0
-  try:
-    with open("/proc/meminfo") as f:
-      kib = int(f.readline().split()[1])
-    memory = f"{kib / 2**20:.0f} GiB"
-  except (OSError, ValueError, IndexError):
-    memory = "?"
-  device = jax.devices()[0]
-  return {
-    "mpx": mpx_provenance(),
-    "cpu": cpu_model(),
-    "cores": str(cores),
-    "memory": memory,
-    "device": f"{device.platform} ({device.device_kind})",
-    "python": platform.python_version(),
-    "jax": jax.__version__,
-    "optax": optax.__version__,
-    "flax": flax.__version__,
-    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    "malloc": malloc_settings(),
-  }
-
-
-def malloc_settings() -> str:
-  """This process's allocator settings, as the environment set them when it
-  started: glibc malloc's tunables and any preloaded library."""
-  names = sorted(k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
-  if os.environ.get("LD_PRELOAD"):
-    names.append("LD_PRELOAD")
-  if not names:
-    return "glibc defaults"
-  return " ".join(f"{k}={os.environ[k]}" for k in names)

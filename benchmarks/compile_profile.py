@@ -1,27 +1,8 @@
 """Where an optimizer step's compile time goes: tracing, lowering, XLA.
 
-For the hand-written check-then-apply step (float32 masters inside
-``lax.cond(mpx.all_finite(grads))``, bf16 params), mpx bf16
-(``mixed_precision(adam)``) and mpx fp16 (``loss_scale(mixed_precision(adam))``)
-on a tree of many small leaves, this prints:
-
-- seconds of ``jax.jit(f).trace(...)``, ``.lower()`` and ``.compile()``,
-  wall-clock and process CPU time, and each step's ratio to the bf16 hand step
-  in the same round (median of ``--repeats`` shuffled rounds of fresh
-  compilations, each of a newly built step and a newly wrapped function, so no
-  cache answers);
-- the size of the program at each stage: jaxpr equations, StableHLO ops, and
-  in the optimized HLO the fusion computations, ``conditional``s, ``while``s,
-  and instructions by opcode (inside fused computations and outside);
-- per leaf, what each mpx step's optimized HLO has that the hand step's does
-  not (opcode counts, difference divided by the leaf count);
-- with ``--cprofile``, the functions that take the most time while one mpx
-  step is traced (cumulative seconds), to find Python hot spots;
-- with ``--extra FILE``, prototype steps measured beside these.
-
-Run from the repository root; ``PYTHONPATH`` picks the mpx checkout::
-
-  python benchmarks/compile_profile.py --leaves 300 --repeats 3 --cprofile
+For the check-then-apply step and mpx bf16 and fp16 on a many-leaf tree: each
+stage's seconds, the program's size at each stage, mpx's HLO per leaf beyond
+the hand step's, tracing's hot spots (``--cprofile``). ``PYTHONPATH`` picks mpx.
 """
 
 from __future__ import annotations
@@ -70,11 +51,11 @@ _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
 
 
 def stage_seconds(fn: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, Any]:
-  """Trace, lower and compile seconds of a fresh ``jit(fn, donate_argnums=0)``,
-  wall-clock and this process's CPU time (all threads: XLA compiles kernels
-  in parallel), and the artefacts of each stage. CPU time counts the work
-  done, and so moves less than wall time when other processes load the
-  machine."""
+  """Measures the trace, lower and compile seconds of a fresh ``jit(fn, donate_argnums=0)``.
+
+  Wall-clock and this process's CPU time (all threads), and each stage's
+  artefact; CPU time moves less than wall time on a loaded machine.
+  """
 
   def fresh(*a):
     return fn(*a)
@@ -97,8 +78,7 @@ def stage_seconds(fn: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, An
 
 
 def jaxpr_eqns(jaxpr: Any) -> int:
-  """Equations of a closed jaxpr, counting those of sub-jaxprs (cond branches,
-  nested jits) too."""
+  """Counts the equations of a jaxpr, those of sub-jaxprs (branches, nested jits) too."""
   total = 0
   for eqn in jaxpr.eqns:
     total += 1
@@ -108,9 +88,10 @@ def jaxpr_eqns(jaxpr: Any) -> int:
 
 
 def hlo_counts(text: str) -> dict[str, Any]:
-  """Counts in optimized HLO text: computations by kind, and instructions by
-  opcode inside fused computations and outside (parameters, constants, tuples
-  and bitcasts left out)."""
+  """Counts computations by kind, and instructions by opcode inside fusions and outside.
+
+  Parameters, constants, tuples and bitcasts are left out.
+  """
   outside: collections.Counter[str] = collections.Counter()
   fused: collections.Counter[str] = collections.Counter()
   computations = 0
@@ -141,13 +122,15 @@ def hlo_counts(text: str) -> dict[str, Any]:
 
 
 def stablehlo_ops(text: str) -> collections.Counter[str]:
+  """Counts the ops of StableHLO text by name."""
   return collections.Counter(m.group(1) for m in _MLIR_OP.finditer(text))
 
 
 def cprofile_trace(fn: Callable[..., Any], args: tuple[Any, ...], top: int) -> str:
-  """While a fresh jit of ``fn`` is traced: mpx's (and optax's update)
-  functions by cumulative time, then the ``top // 2`` functions by own time.
-  cProfile slows tracing about 2.5x; compare rows, not totals."""
+  """Profiles tracing a fresh jit of ``fn``: mpx's functions by cumulative time, then all by own.
+
+  cProfile slows tracing: compare rows, not totals.
+  """
 
   def fresh(*a):
     return fn(*a)
@@ -165,6 +148,7 @@ def cprofile_trace(fn: Callable[..., Any], args: tuple[Any, ...], top: int) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Compiles the steps the flags name and prints their profiles."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--leaves", type=int, default=300)
   parser.add_argument("--side", type=int, default=64)

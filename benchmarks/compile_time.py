@@ -1,26 +1,8 @@
 """Compile time of one optimizer step against the number of leaves.
 
-Trace, lower and compile seconds of the optimizer step (update and
-``optax.apply_updates`` in one jitted function, state donated, as
-:mod:`benchmarks.optimizer_step` builds it) for plain optax Adam, the
-hand-written bf16 step without a check, the check-then-apply steps (float32
-masters, the step inside ``lax.cond(mpx.all_finite(grads))``, bf16 and fp16:
-the ones the step-speed benchmark holds mpx against), and mpx bf16 and fp16,
-on trees of many small leaves and on the transformer-shaped tree. The issue's
-target is a ratio at each leaf count: each mpx step's time over the
-check-then-apply step of its dtype (:data:`TARGETED`).
-
-Every measurement jits a freshly wrapped function of a freshly built variant
-(a new transformation), so that nothing cached answers: neither jax's tracing
-or executable caches nor one keyed on the transformation (``jax.eval_shape``
-of its ``init``); each figure is a first compile. In each round the variants
-run in a freshly shuffled order, and each one's total is divided by plain
-Adam's and by its check-then-apply step's of the same round. Reported: median
-seconds, and the median over rounds of those ratios.
-
-Run alone from the repository root (``benchmarks/run.py`` runs it too)::
-
-  python benchmarks/compile_time.py --leaf-counts 100,300 --rounds 1
+Trace, lower and compile seconds of plain Adam, the hand-written steps and mpx,
+each a first compile of a freshly built step, in shuffled rounds on many-leaf
+trees and the transformer-shaped tree. ``--rounds 1`` for a quick run.
 """
 
 from __future__ import annotations
@@ -51,7 +33,7 @@ HAND_COND_BF16 = opt_bench.HAND_COND_BF16
 LEAF_SIDE = 64  # leaves of LEAF_SIDE x LEAF_SIDE float32-initialised params
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CompileVariant:
   """One row of the compile-time table.
 
@@ -68,42 +50,48 @@ class CompileVariant:
 
 
 VARIANTS = (
-  CompileVariant(BASELINE, opt_bench.build_fp32, "optax.adam on FP32 params (the baseline)"),
   CompileVariant(
-    opt_bench.HAND_BF16,
-    opt_bench.build_hand_bf16,
-    "the hand-written bf16 step, no check, no skip",
+    name=BASELINE, build=opt_bench.build_fp32, what="optax.adam on FP32 params (the baseline)"
   ),
   CompileVariant(
-    HAND_COND_BF16,
-    opt_bench.build_hand_cond_bf16,
-    "the check-then-apply step, bf16: the hand-written bf16 step (float32 masters) inside "
+    name=opt_bench.HAND_BF16,
+    build=opt_bench.build_hand_bf16,
+    what="the hand-written bf16 step, no check, no skip",
+  ),
+  CompileVariant(
+    name=HAND_COND_BF16,
+    build=opt_bench.build_hand_cond_bf16,
+    what="the check-then-apply step, bf16: the hand-written bf16 step (float32 masters) inside "
     "lax.cond(mpx.all_finite(grads), step, keep)",
   ),
   CompileVariant(
-    HAND_COND,
-    opt_bench.build_hand_cond,
-    "the check-then-apply step, fp16: the same on fp16 params and fp16 grads",
+    name=HAND_COND,
+    build=opt_bench.build_hand_cond,
+    what="the check-then-apply step, fp16: the same on fp16 params and fp16 grads",
   ),
-  CompileVariant("mpx bf16", opt_bench.build_mpx_bf16, "mpx.mixed_precision(optax.adam)"),
   CompileVariant(
-    "mpx fp16", opt_bench.build_mpx_fp16, "mpx.loss_scale(mpx.mixed_precision(optax.adam))"
+    name="mpx bf16", build=opt_bench.build_mpx_bf16, what="mpx.mixed_precision(optax.adam)"
+  ),
+  CompileVariant(
+    name="mpx fp16",
+    build=opt_bench.build_mpx_fp16,
+    what="mpx.loss_scale(mpx.mixed_precision(optax.adam))",
   ),
 )
-# Each targeted variant and the check-then-apply step of its dtype, the
-# baseline of its x_cond ratio (held to TARGET_COMPILE_VS_COND by the report).
+# Each mpx step and the check-then-apply step of its dtype, the baseline of its
+# x_cond ratio (held to TARGET_COMPILE_VS_COND by the report).
 TARGETED = {"mpx bf16": HAND_COND_BF16, "mpx fp16": HAND_COND}
 
 
 def leaf_tree(leaves: int, side: int = LEAF_SIDE) -> dict[str, Any]:
-  """``leaves`` square matrices of ``side x side`` parameters."""
+  """Builds a tree of ``leaves`` square matrices of ``side x side`` parameters."""
   return opt_bench.many_leaf_shapes(leaves, side)
 
 
 def split_seconds(
   fn: Callable[..., PyTree], state: PyTree, args: tuple[Any, ...]
 ) -> dict[str, float]:
-  """Trace, lower and compile seconds of ``jit(fn, donate_argnums=0)``.
+  """Measures the trace, lower and compile seconds of ``jit(fn, donate_argnums=0)``.
 
   ``fn`` is wrapped in a new function first: jax caches traces by function
   identity, so a wrapper made for this measurement alone is traced afresh.
@@ -167,7 +155,7 @@ def measure_tree(
   leaves = len(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
 
   def ratios(name: str, base: str) -> float | None:
-    """Median over rounds of ``name``'s total over ``base``'s in that round."""
+    """Returns the median over rounds of ``name``'s total over ``base``'s in that round."""
     if base not in samples:
       return None
     pairs = zip(samples[name], samples[base], strict=True)
@@ -191,8 +179,7 @@ def run(
   transformer: tuple[str, PyTree] | None = None,
   log: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
-  """Compile times on the transformer-shaped tree (if given) and on a tree of
-  ``count`` small leaves for each of ``leaf_counts``.
+  """Measures compile times on the transformer-shaped tree and the many-leaf trees.
 
   Args:
     leaf_counts: leaf counts of the many-small-leaves trees.
@@ -221,6 +208,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Measures the trees the flags name and prints the compile-time section."""
   from benchmarks import report
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,30 +1,8 @@
-"""Runs the main demo (examples/demo.py) over seeds and CPU instruction sets, and
-checks that its verdicts hold with margin on every one (issue 28).
+"""Runs examples/demo.py over seeds and CPU instruction sets; checks its verdicts keep margin.
 
-XLA:CPU picks its kernels by the CPU's features, so the last bits of every
-step, and hence the demo's final losses, differ between machines.
-``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`` (``AVX``, ``AVX2``, ``AVX512``) makes
-one machine compute what a CPU with only those features would, so this
-script runs ``examples/demo.py --seed S`` once per seed and per flag (and
-natively), one run at a time, each in its own process, reads each run's
-``--json`` record, and prints a table: per row of the demo, its bound, its
-worst and mean validation-loss gap to FP32 over the runs, and whether the
-worst case keeps half the bound as margin:
-
-* a row that must end within ``tolerance`` of FP32: worst gap <= tolerance / 2;
-* a row that must end more than ``worse_by`` above FP32: worst gap >= 1.5 x worse_by.
-
-Run from the repository root::
-
-  python benchmarks/demo_matrix.py                        # 5 seeds x 5 ISAs: about an hour
-  python benchmarks/demo_matrix.py --seeds 0,1 --isas native,AVX2 --no-docs
-  python benchmarks/demo_matrix.py --docs docs/demo_matrix.md   # the docs page (default)
-
-Every run's record is kept in ``--records`` (default
-``demo_results/matrix/``) and reused when present with the same demo
-arguments, so an interrupted matrix resumes where it stopped; ``--fresh``
-reruns everything. Extra arguments after ``--`` go to every demo run (for
-experiments: ``-- --lr 1e-3 --rows "bf16+mpx,bf16 no masters"``).
+Each run is a process of its own under ``XLA_FLAGS=--xla_cpu_max_isa=...``;
+the tables go to docs/demo_matrix.md, which says how the margin is judged.
+``python benchmarks/demo_matrix.py --help`` shows the options and examples.
 """
 
 from __future__ import annotations
@@ -41,12 +19,32 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks.markdown import prose  # noqa: E402
+
+TEMPLATE = pathlib.Path(__file__).with_name("demo_matrix_template.md")
 DEMO = ROOT / "examples" / "demo.py"
 ISAS = ("native", "SSE4_2", "AVX", "AVX2", "AVX512")
+EPILOG = """Per row of the demo: its bound, its worst and mean validation-loss gap to
+FP32 over the runs, and whether the worst case keeps half the bound as margin
+(a row that must end within tolerance of FP32: worst gap <= tolerance / 2; a
+row that must end more than worse_by above FP32: worst gap >= 1.5 x worse_by).
+
+examples:
+  python benchmarks/demo_matrix.py                        # 5 seeds x 5 ISAs: about an hour
+  python benchmarks/demo_matrix.py --seeds 0,1 --isas native,AVX2 --no-docs
+  python benchmarks/demo_matrix.py --docs docs/demo_matrix.md   # the docs page (default)
+
+Every run's record is kept in --records (default demo_results/matrix/) and
+reused when present with the same demo arguments, so an interrupted matrix
+resumes where it stopped; --fresh reruns everything. Arguments after -- go to
+every demo run (for experiments: -- --lr 1e-3 --rows "bf16+mpx,bf16 no masters")."""
 
 
 def cpu_model() -> str:
-  """The CPU's model name as ``lscpu`` prints it (Linux), else the platform's guess."""
+  """Returns the CPU's model name as ``lscpu`` prints it (Linux), else the platform's guess."""
   try:
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     for line in out.splitlines():
@@ -59,7 +57,7 @@ def cpu_model() -> str:
 
 
 def demo_rows() -> dict:
-  """The demo's rows (``examples/demo.py``'s ``ROW_BY_NAME``), with their bounds."""
+  """Returns the demo's rows (``examples/demo.py``'s ``ROW_BY_NAME``), with their bounds."""
   sys.path.insert(0, str(DEMO.parent))
   import demo
 
@@ -67,7 +65,7 @@ def demo_rows() -> dict:
 
 
 def demo_settings(args: list[str]) -> dict:
-  """The settings (as in the demo's JSON record) that ``examples/demo.py args`` would run."""
+  """Returns the settings (as in the demo's JSON record) ``examples/demo.py args`` runs."""
   import dataclasses
 
   sys.path.insert(0, str(DEMO.parent))
@@ -77,7 +75,7 @@ def demo_settings(args: list[str]) -> dict:
 
 
 def run_one(seed: int, isa: str, demo_args: list[str], records: pathlib.Path, fresh: bool) -> dict:
-  """One demo run (or its kept record): the demo's JSON record, plus its exit status."""
+  """Runs the demo once (or reuses its kept record); returns its JSON record and exit status."""
   name = f"seed{seed}-{isa}.json"
   path = records / name
   args = ["--seed", str(seed), "--out", str(records / "plots" / f"{name}.png")]
@@ -112,7 +110,7 @@ def run_one(seed: int, isa: str, demo_args: list[str], records: pathlib.Path, fr
 
 
 def summarize(records: list[dict]) -> tuple[list[dict], bool]:
-  """Per row: bound, worst and mean gap, margin verdict; and whether all keep margin."""
+  """Returns per row its bound, worst and mean gap, margin verdict; and whether all keep margin."""
   modes = [row["mode"] for row in max((r["rows"] for r in records), key=len)]
   summary, all_ok = [], True
   rows = demo_rows()
@@ -154,7 +152,7 @@ def summarize(records: list[dict]) -> tuple[list[dict], bool]:
 
 
 def table(records: list[dict], summary: list[dict]) -> list[str]:
-  """The summary as a Markdown table, then a per-run table of every gap."""
+  """Renders the summary as a Markdown table, then a per-run table of every gap."""
   lines = [
     "| row | bound | margin needs | worst | mean | sd | mean + 3 sd | range | ok | margin |",
     "|:--|--:|--:|--:|--:|--:|--:|--:|:-:|:-:|",
@@ -182,6 +180,7 @@ def table(records: list[dict], summary: list[dict]) -> list[str]:
 
 
 def write_docs(path: pathlib.Path, lines: list[str], records: list[dict], command: str) -> None:
+  """Writes docs/demo_matrix.md: how the matrix ran, then ``lines``, the tables."""
   settings = records[0]["settings"]
   m, o = settings["model"], settings["opt"]
   seeds = sorted({r["seed"] for r in records})
@@ -193,59 +192,32 @@ def write_docs(path: pathlib.Path, lines: list[str], records: list[dict], comman
   bitwise = sum(
     any(c.startswith("OK: bf16+mpx remainder is bitwise") for c in r["checks"]) for r in records
   )
-  text = [
-    "# The demo's verdicts across seeds and CPUs",
-    "",
-    "The main demo (`python examples/demo.py`, see the README) checks each row's validation-loss",
-    "gap to FP32 against a bound. The gaps depend on the machine: XLA:CPU picks its kernels by",
-    "the CPU's features, and the last-bit differences grow over the run. This page is written by",
-    f"`{command}`, which runs the demo once per seed and per instruction set",
-    "(`XLA_FLAGS=--xla_cpu_max_isa=...`, how one machine computes what a CPU with only those",
-    "features would; *native*: no flag) and asks that the worst case over all runs keep half",
-    "of each bound as margin: a row bounded by a tolerance must end at most half of it above",
-    "FP32, and `bf16 no masters` at least 1.5 times the gap it must exceed.",
-    "",
-    "How the bounds were chosen: they say what each row must deliver, not what one run",
-    "showed. 1% for the rows with exact masters (float32, or its low half beside the bf16",
-    "param; float32, bfloat16 or 8-bit moments; fp16 with loss scaling), whose update is",
-    "FP32's but for the 16-bit forward and backward pass; 2% for the two stochastic rounding",
-    "rows, which keep no master and follow one only in expectation (the demo's seed also seeds",
-    "the rounding, so the runs below are draws of it); more than 2% for bf16 without masters,",
-    "which must visibly fall off FP32's curve. The demo's settings were then chosen so that each",
-    "effect is many times the spread measured here (the docstring of `examples/demo.py` says",
-    "which and why): a peak learning rate of 1e-3, where bf16 without masters loses enough of",
-    "its updates to stall (at 3e-3 it ended only 2.3% to 3.1% above FP32 on one Xeon), and",
-    "4,096 validation windows.",
-    "",
-    f"Machine (`lscpu` model name): {cpu_model()}, {os.cpu_count()} cores; as the demo "
-    f"describes it: {records[0]['machine']}.",
-    f"Runs: seeds {', '.join(map(str, seeds))} x {', '.join(isas)}: {len(records)} runs of the "
-    f"demo {extra} ({m['layers']} layers, width {m['width']}, context {m['context']}, "
-    f"{o['steps']} steps x {settings['batch']} sequences, peak learning rate {o['peak_lr']:g}, "
-    f"weight decay {o['weight_decay']:g}, {settings['eval_windows']} validation windows), "
-    f"{min(seconds):.0f} to {max(seconds):.0f} s each.",
-    "",
-    "Gaps are relative to FP32's validation loss in the same run (positive: worse). *sd*: the",
-    "standard deviation over the runs; *mean + 3 sd*: where a row's gap would reach about once",
-    "in a thousand runs if it were normal, the bound read from the measured spread (what",
-    "matters for the stochastic rounding rows, each run one draw of a random variable).",
-    *(
-      [
-        "Under `SSE4_2` the demo has no `fp16+mpx+scale` row: XLA cannot compile a conversion",
-        "to float16 without the F16C instructions (its runtime lacks `__truncsfhf2`), so the",
-        "demo skips that row there, as it would on such a CPU.",
-      ]
-      if any(len(r["rows"]) < max(len(x["rows"]) for x in records) for r in records)
-      else []
-    ),
-    "*checks*: the demo's own exit verdict in that run, every bound and",
-    f"`bf16+mpx remainder` bitwise `bf16+mpx` ({bitwise} of {len(records)} runs bitwise).",
-    "*s*: the demo's own wall time, which varies with the machine's load.",
-    "",
-    *lines,
-    "",
-  ]
-  path.write_text("\n".join(text))
+  short = any(len(r["rows"]) < max(len(x["rows"]) for x in records) for r in records)
+  page = prose(
+    "page",
+    template=TEMPLATE,
+    command=command,
+    cpu=cpu_model(),
+    cores=os.cpu_count(),
+    machine=records[0]["machine"],
+    seeds=", ".join(map(str, seeds)),
+    isas=", ".join(isas),
+    runs=len(records),
+    extra=extra,
+    layers=m["layers"],
+    width=m["width"],
+    context=m["context"],
+    steps=o["steps"],
+    peak_lr=o["peak_lr"],
+    weight_decay=o["weight_decay"],
+    batch=settings["batch"],
+    eval_windows=settings["eval_windows"],
+    fastest=min(seconds),
+    slowest=max(seconds),
+    sse4_2=prose("sse4_2", template=TEMPLATE) + "\n" if short else "",
+    bitwise=bitwise,
+  )
+  path.write_text("\n".join([page, "", *lines, ""]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
   if "--" in argv:
     i = argv.index("--")
     argv, demo_args = argv[:i], argv[i + 1 :]
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0],
+    epilog=EPILOG,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated (0,1,2,3,4)")
   parser.add_argument(
     "--isas", default=",".join(ISAS), help=f"comma-separated, of {', '.join(ISAS)} (all)"

@@ -1,14 +1,8 @@
 """What XLA would run on an H100, compiled on this machine without one.
 
-Compiles one optimizer step (update + ``optax.apply_updates``, params and
-state donated) per mode for an NVIDIA H100 (deviceless ahead-of-time
-compilation: ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at jax's version,
-installed ``--no-deps``) and reads the optimized HLO: conditionals (each one a
-host sync on XLA:GPU), kernels, bytes each kernel reads and writes per
-parameter, copies, and the scratch XLA allocates. Compiled, not run.
-
-  python benchmarks/gpu_compile.py                 # 26 leaves, 67M params
-  python benchmarks/gpu_compile.py --scale 0.01    # the same tree, small
+Compiles one optimizer step per mode for an H100 (``jax-cuda12-plugin`` and
+``jax-cuda12-pjrt`` at jax's version) and counts, from the optimized HLO, its
+conditionals, kernels, bytes moved, copies and scratch. ``--scale 0.01``: small.
 """
 
 from __future__ import annotations
@@ -59,6 +53,7 @@ FLOORS = {
 
 
 def topology(devices: int = 1) -> Any:
+  """Describes ``devices`` H100s for deviceless compilation."""
   from jax.experimental import topologies
 
   return topologies.get_topology_desc(
@@ -70,11 +65,12 @@ def topology(devices: int = 1) -> Any:
 
 
 def param_count(shapes: dict[str, tuple[int, ...]]) -> int:
+  """Counts the parameters of a dict of shapes."""
   return sum(int(np.prod(s)) for s in shapes.values())
 
 
 def model_shapes(scale: float = 1.0) -> dict[str, tuple[int, ...]]:
-  """A 4-layer transformer's 26 leaves: 67M params at scale 1."""
+  """Builds a 4-layer transformer's 26 leaf shapes: 67M params at scale 1."""
   d = max(16, int(1024 * scale**0.5) // 16 * 16)
   shapes: dict[str, tuple[int, ...]] = {"embed": (16 * d, d), "final_norm": (d,)}
   for i in range(4):
@@ -91,13 +87,15 @@ def model_shapes(scale: float = 1.0) -> dict[str, tuple[int, ...]]:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
+  """One row: the mode's name, the params' dtype, and its transformation."""
+
   name: str
   param_dtype: Any
   make: Callable[[], optax.GradientTransformation]
 
 
 def hand_written_masters(lr: float = 1e-3) -> optax.GradientTransformation:
-  """Float32 masters and AdamW on them, a skip by ``jnp.where``: the reference."""
+  """Builds the reference: float32 masters, AdamW on them, a skip by ``jnp.where``."""
   adamw = optax.adamw(lr)
 
   def init(params):
@@ -120,6 +118,7 @@ def hand_written_masters(lr: float = 1e-3) -> optax.GradientTransformation:
 
 
 def variants() -> list[Variant]:
+  """Lists the modes compiled, in the tables' order."""
   bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
   mp = lambda **kw: lambda: mpx.mixed_precision(optax.adamw(1e-3), **kw)  # noqa: E731
   return [
@@ -146,6 +145,7 @@ def variants() -> list[Variant]:
 
 
 def compile_step(tx: optax.GradientTransformation, shapes: dict, dtype: Any, topo: Any) -> Any:
+  """Compiles ``tx``'s donated step on one device of ``topo``."""
   sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
   params = {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in shapes.items()}
   state = jax.eval_shape(tx.init, params)
@@ -162,8 +162,10 @@ def compile_step(tx: optax.GradientTransformation, shapes: dict, dtype: Any, top
 def compile_zero1_step(
   tx: optax.GradientTransformation, shapes: dict, dtype: Any, topo: Any
 ) -> Any:
-  """The step on a mesh of the topology's devices: params replicated, the
-  state split over ``"data"`` by :func:`mpx.zero1_shardings`."""
+  """Compiles the step on a mesh of the topology's devices.
+
+  Params replicated, the state split over ``"data"`` by :func:`mpx.zero1_shardings`.
+  """
   mesh = jax.sharding.Mesh(np.array(topo.devices), ("data",))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params = {k: jax.ShapeDtypeStruct(s, dtype, sharding=replicated) for k, s in shapes.items()}
@@ -183,7 +185,7 @@ def compile_zero1_step(
 
 
 def collectives(compiled: Any) -> dict[str, int]:
-  """The collectives of the optimized HLO, by opcode."""
+  """Counts the collectives of the optimized HLO, by opcode."""
   ops = re.findall(
     r" (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(",
     compiled.as_text(),
@@ -192,6 +194,7 @@ def collectives(compiled: Any) -> dict[str, int]:
 
 
 def type_bytes(text: str) -> int:
+  """Counts the bytes of the arrays an HLO type names."""
   return sum(
     _BYTES[dtype] * int(np.prod([int(n) for n in dims.split(",") if n] or [1]))
     for dtype, dims in _ARRAY.findall(text)
@@ -258,6 +261,7 @@ def _by_short(computations: dict, name: str) -> str:
 
 
 def table(scale: float) -> list[str]:
+  """Renders the one-GPU table's lines."""
   shapes = model_shapes(scale)
   n = param_count(shapes)
   topo = topology()
@@ -285,7 +289,7 @@ class Zero1Profile:
 
 
 def zero1_profile(variant: Variant, shapes: dict, topo: Any) -> Zero1Profile:
-  """The ZeRO-1 step of ``variant`` on the topology's devices, profiled."""
+  """Compiles and profiles the ZeRO-1 step of ``variant`` on the topology's devices."""
   compiled = compile_zero1_step(variant.make(), shapes, variant.param_dtype, topo)
   # The arguments less the params and grads, both replicated: the state's shard.
   replicated = 2 * param_count(shapes) * np.dtype(variant.param_dtype).itemsize
@@ -294,6 +298,7 @@ def zero1_profile(variant: Variant, shapes: dict, topo: Any) -> Zero1Profile:
 
 
 def zero1_table(scale: float, devices: int = 8) -> list[str]:
+  """Renders the ZeRO-1 table's lines for ``devices`` GPUs."""
   shapes = model_shapes(scale)
   n = param_count(shapes)
   topo = topology(devices)
@@ -350,6 +355,7 @@ shapes.
 
 
 def main(argv: list[str] | None = None) -> None:
+  """Prints both tables, and writes the docs page with ``--out``."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--scale", type=float, default=1.0, help="params relative to 67M")
   parser.add_argument("--devices", type=int, default=8, help="GPUs of the ZeRO-1 table (0: none)")

@@ -1,10 +1,7 @@
 """A small decoder-only transformer for the whole-training-step benchmark.
 
-Importable on its own (``from benchmarks.model import Transformer, ModelSize``)
-and sized by ``ModelSize`` (the ``--model-*`` flags of ``benchmarks/run.py``).
-No layer sets ``dtype``, so flax computes in the parameters' dtype: with bf16
-or fp16 params the forward and backward passes run in 16 bits. The loss is
-taken in float32.
+Sized by ``ModelSize`` (``benchmarks/run.py``'s ``--model-*`` flags). No layer
+sets ``dtype``, so flax computes in the parameters' dtype; the loss is float32.
 """
 
 from __future__ import annotations
@@ -73,18 +70,18 @@ class Transformer(nn.Module):
 
 
 def init_params(size: ModelSize, seed: int = 0) -> Any:
-  """Float32 parameters (one jitted init: quicker than flax's op by op)."""
+  """Initialises float32 parameters (one jitted init: quicker than flax's op by op)."""
   tokens = jnp.zeros((1, size.seq), jnp.int32)
   return jax.jit(Transformer(size).init)(jax.random.key(seed), tokens)["params"]
 
 
 def make_batch(size: ModelSize, seed: int = 0) -> tuple[jax.Array, jax.Array]:
-  """Random ``(inputs, next-token targets)`` of shape ``(batch, seq)``."""
+  """Draws random ``(inputs, next-token targets)`` of shape ``(batch, seq)``."""
   tokens = jax.random.randint(jax.random.key(seed), (size.batch, size.seq + 1), 0, size.vocab)
   return tokens[:, :-1], tokens[:, 1:]
 
 
 def loss_fn(size: ModelSize, params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean next-token cross-entropy, in float32."""
+  """Computes the mean next-token cross-entropy, in float32."""
   logits = Transformer(size).apply({"params": params}, inputs).astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

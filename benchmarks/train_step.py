@@ -1,11 +1,8 @@
 """A whole training step of the demo transformer: FP32 vs mpx bf16 vs mpx fp16.
 
-One step function serves every mode: it differentiates
-``mpx.scale_loss(loss, opt_state)`` (times 1 when the state holds no loss
-scale), updates with the mode's transformation and applies the updates, with
-params and optimizer state donated. A ``poison`` scalar multiplies the loss:
-1.0 in every timed step, inf for the one step that checks that a skipped step
-reuses the same executable.
+One donated step serves every mode: the gradient of ``mpx.scale_loss(loss *
+poison)``, the mode's update, ``apply_updates``. ``poison`` is 1.0 in timed
+steps and inf in the one that checks a skipped step reuses the executable.
 """
 
 from __future__ import annotations
@@ -25,10 +22,13 @@ BASELINE = MODES[0]
 
 
 def optimizer() -> optax.GradientTransformation:
+  """Returns the AdamW every mode trains with."""
   return optax.adamw(3e-4, weight_decay=1e-2)
 
 
 def make_step(size: ModelSize, tx: optax.GradientTransformation):
+  """Builds ``step((params, opt), inputs, targets, poison)``: grad of the scaled loss, update."""
+
   def step(state, inputs, targets, poison):
     params, opt = state
 
@@ -43,7 +43,7 @@ def make_step(size: ModelSize, tx: optax.GradientTransformation):
 
 
 def build_cases(size: ModelSize) -> tuple[list[Case], int]:
-  """The three modes on one FP32 initialisation and one batch."""
+  """Builds the three modes on one FP32 initialisation and one batch."""
   fp32 = init_params(size)
   n = sum(x.size for x in jax.tree.leaves(fp32))
   inputs, targets = make_batch(size)
@@ -68,15 +68,18 @@ def build_cases(size: ModelSize) -> tuple[list[Case], int]:
 
 
 def skipped_steps(case: Case) -> int | None:
+  """Reads the skipped-step count from a case's optimizer state (None without one)."""
   value = optax.tree.get(case.state[1], "skipped_steps")
   return None if value is None else int(value)
 
 
 def opt_state_bytes_per_param(case: Case, n: int) -> float:
+  """Counts the optimizer state's bytes per parameter."""
   return sum(x.nbytes for x in jax.tree.leaves(case.state[1])) / n
 
 
 def describe(size: ModelSize, n: int) -> dict[str, Any]:
+  """Describes the model and batch for the report."""
   return {
     "params": n,
     "width": size.width,

@@ -1,27 +1,12 @@
-"""Runs ``benchmarks/run.py --smoke`` and checks the structure of what it measures.
+"""Runs ``benchmarks/run.py --smoke`` and checks what it measured, row by row.
 
-Never timings: the machine is shared and the sizes are tiny. What must hold on
-any machine: every mpx step is host-sync free and compiles once per run (finite
-and skipped steps alike), and mpx's optimizer state is the inner Adam state
-plus a 4-byte master per low-precision parameter, nothing more than a few
-scalars; with remainder masters a 2-byte remainder instead, with stochastic
-rounding nothing but a key per leaf and counters (AdamW on bf16: 12, 10 and 8
-bytes of state per parameter). And the report's structure: a hand-written step
-per dtype without safety and a check-then-apply one, each mpx step's paired
-ratio to the check-then-apply step of its dtype (and the storage modes' to the
-full-master step, also in two processes started with different malloc
-settings), XLA's bytes accessed and scratch per parameter, state bytes per
-parameter beside the peers' by construction, the many-leaf tree, and compile
-time against leaf count, against the check-then-apply steps.
-
-The benchmark runs in a subprocess with XLA's backend optimisation turned
-down, which only makes compilation quicker (this test compiles some twenty
-steps); the HLO that the structure comes from is the same.
+Never timings (the machine is shared, the sizes tiny): every step is host-sync
+free and compiles once, each ratio was measured against the step it names, and
+the state bytes per parameter are what each storage mode keeps.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -30,46 +15,39 @@ import sys
 
 import pytest
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks import report, rows, run, targets, train_step  # noqa: E402
+from benchmarks.allocators import ALLOCATOR_VARIANTS, NO_MMAP_MALLOC  # noqa: E402
+from benchmarks.optimizer_step import (  # noqa: E402
+  BASELINE,
+  CHECK_THEN_APPLY,
+  HAND_OF,
+  MPX_BF16,
+  MPX_REMAINDER,
+  MPX_STOCHASTIC,
+  VARIANTS,
+)
+from benchmarks.report_optimizer import PEER_MEMORY  # noqa: E402
+from benchmarks.rows import StepRow  # noqa: E402
+from benchmarks.targets import MPX_FP16, MPX_MODES, MPX_REFERENCES  # noqa: E402
+
 # Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "run.py"
-ALWAYS = (
-  "optax adam fp32",
-  "hand-written fp16 (no safety)",
-  "hand-written bf16 (no safety)",
-  "hand + cond (flag given)",
-  "hand + check",
-  "hand + cond",
-  "hand bf16 + cond",
-  "hand + select",
-  "mpx bf16",
-  "mpx bf16 remainder",
-  "mpx bf16 stochastic",
-  "mpx fp16",
-)
-# Always installed; left out of the many-leaf tree like every peer.
-OPTAX_PEER = "optax.apply_if_finite fp16"
-PEERS = ("jmp fp16", "flax DynamicScale fp16", "mixed-precision-for-JAX fp16")
-MPX = ("mpx bf16", "mpx fp16")  # the issue's speed and scratch targets
-# mpx bf16 in the other storage modes of its masters, and its state bytes per
-# parameter in each (AdamW on bf16 params; a few scalars and keys aside).
-MODES = ("mpx bf16 remainder", "mpx bf16 stochastic")
-FULL = "mpx bf16"
-STATE_BPP = {FULL: 12, "mpx bf16 remainder": 10, "mpx bf16 stochastic": 8}
-MIN_BYTES = {FULL: 30, "mpx bf16 remainder": 28, "mpx bf16 stochastic": 24}
-# Each mpx step's hand-written step without safety (x hand, through the
-# baseline) and its check-then-apply step (paired, and the compile-time
-# baseline); the storage modes are paired with the full-master step.
-REFERENCE = {
-  "mpx bf16": "hand-written bf16 (no safety)",
-  "mpx fp16": "hand-written fp16 (no safety)",
-}
-CHECK_THEN_APPLY = {"mpx bf16": "hand bf16 + cond", "mpx fp16": "hand + cond"}
-TIMED_NEXT_TO = {**CHECK_THEN_APPLY, **{name: FULL for name in MODES}}
-# AdamW on 16-bit params elsewhere, (param, state) bytes per parameter, as the
-# report states them by construction.
+ALWAYS = tuple(v.name for v in VARIANTS if v.kind != "peer")
+PEERS = tuple(v.name for v in VARIANTS if v.kind == "peer")
+OPTAX_PEER = next(name for name in PEERS if name.startswith("optax"))  # always installed
+MPX = tuple(name for name, _ in MPX_REFERENCES)
+PAIRED_WITH = {**dict(MPX_REFERENCES), **{name: MPX_BF16 for name in MPX_MODES}}
+# AdamW on bf16 params: state bytes per parameter in each storage mode of the
+# masters (a few scalars and keys aside), and the least bytes each step moves.
+STATE_BPP = {MPX_BF16: 12, MPX_REMAINDER: 10, MPX_STOCHASTIC: 8}
+MIN_BYTES = {MPX_BF16: 30, MPX_REMAINDER: 28, MPX_STOCHASTIC: 24}
+# AdamW on 16-bit params elsewhere, (param, state) bytes per parameter.
 PEER_BYTES = {
   "PyTorch AMP / apex O2": (2, 12),
   "TransformerEngine FusedAdam": (2, 10),
@@ -77,33 +55,13 @@ PEER_BYTES = {
   "Kahan summation (optimi)": (2, 10),
   "plain FP32 Adam": (4, 8),
 }
-COMPILE_VARIANTS = (
-  "optax adam fp32",
-  "hand-written bf16 (no safety)",
-  "hand bf16 + cond",
-  "hand + cond",
-  "mpx bf16",
-  "mpx fp16",
-)
-# The allocator runs: glibc's defaults, then the setting that keeps large
-# blocks in the heap (what benchmarks/run.py sets, spelled out here).
-NO_MMAP = {
-  "MALLOC_MMAP_THRESHOLD_": "4294967296",
-  "MALLOC_TRIM_THRESHOLD_": "68719476736",
-  "MALLOC_TOP_PAD_": "1073741824",
-  "MALLOC_ARENA_MAX": "1",
-}
-ALLOCATOR_ROWS = ("optax adam fp32", FULL, *MODES)
-SMOKE_LEAF_COUNTS = (10, 30)  # benchmarks/run.py's --smoke leaf counts
-TRAIN_MODES = ("fp32 optax", "mpx bf16", "mpx fp16")
 # LossScaleState's scalars: loss_scale f32, three int32 counters, one bool.
 LOSS_SCALE_SCALARS = 4 + 3 * 4 + 1
 
 
 def run_smoke(script, *args):
-  """``script --smoke args`` in a subprocess with XLA's backend optimisations
-  off (compiling is most of a smoke run); its stdout, after checking it
-  exited 0."""
+  """Runs ``script --smoke args`` with XLA's backend optimisations off (compiling
+  is most of a smoke run); returns its stdout, after checking it exited 0."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
   proc = subprocess.run(
@@ -123,169 +81,165 @@ def run_smoke(script, *args):
 def smoke(tmp_path_factory):
   out = tmp_path_factory.mktemp("benchmarks")
   stdout = run_smoke(RUN, "--no-install-peers", "--out-dir", out, "--json", out / "results.json")
-  return json.loads((out / "results.json").read_text()), stdout, out
+  return rows.load(out / "results.json"), stdout, out
 
 
 def sizes(results):
-  """(the transformer-shaped size, the many-leaf tree): what --smoke runs."""
+  """Returns (the transformer-shaped size, the many-leaf tree): what --smoke runs."""
   shaped, many = results["optimizer"]["sizes"]
   assert not shaped["many_leaves"] and many["many_leaves"]
   return shaped, many
 
 
-def test_writes_and_prints_the_report(smoke):
+def target_rows(results, shaped_counts=True):
+  """Returns the targets table's rows, the smoke size counted as a target size."""
+  shaped, _ = sizes(results)
+  shaped["targets"] = shaped_counts
+  try:
+    return targets.targets(results)
+  finally:
+    shaped["targets"] = False
+
+
+def test_the_report_renders_again_from_the_json(smoke):
   results, stdout, out = smoke
   markdown = (out / "benchmarks.md").read_text()
-  assert markdown.startswith("---\norphan: true\n---\n")  # Sphinx front matter
-  assert markdown.split("---\n", 2)[2].strip() == stdout.strip()
-  if importlib.util.find_spec("matplotlib") is not None:  # not in the test extra
+  assert markdown == report.FRONT_MATTER + stdout.rstrip("\n") + "\n"
+  png = (out / "benchmarks.png").exists() and "benchmarks.png"
+  if png:  # matplotlib comes with the bench extra, not with test
     assert (out / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "](benchmarks.png)" in markdown
-  for text in ("# Benchmarks", "| CPU |", "| cores |", "jax", "## 1. Optimizer step"):
-    assert text in markdown
-  assert "## 2. Compile time against leaf count" in markdown
-  assert "## 3. Whole training step" in markdown
-  assert results["machine"]["jax"] in markdown
+  assert report.render_markdown(results, png or None) + "\n" == stdout
+  assert results["compile_time"]["trees"] and results["train"]["rows"]
 
 
 def test_every_variant_is_measured_or_explained(smoke):
   results, _, _ = smoke
   shaped, many = sizes(results)
   for name in ALWAYS:
-    assert name in shaped["rows"], name
+    assert isinstance(shaped["rows"][name], StepRow), name
     assert name in many["rows"], name
   assert OPTAX_PEER in shaped["rows"]
-  for name in (*PEERS, OPTAX_PEER):
+  for name in PEERS:
     assert name in shaped["rows"] or shaped["unavailable"][name], name
     # Left out of the many-leaf tree, and said so.
     assert name not in many["rows"] and name in many["skipped_peers"], name
   for size in (shaped, many):
     for row in size["rows"].values():
-      assert row["ms"] > 0 and row["x_base"] > 0
-  assert set(results["train"]["rows"]) == set(TRAIN_MODES)
+      assert row.ms > 0 and row.x_base > 0
+      assert row.gbps > 0 and 0 < row.roof_pct == pytest.approx(100 / row.floor_x)
+    assert size["rows"][BASELINE].x_base == pytest.approx(1)
+  assert set(results["train"]["rows"]) == set(train_step.MODES)
 
 
 def test_many_leaf_tree(smoke):
-  results, stdout, _ = smoke
+  results, _, _ = smoke
   _, many = sizes(results)
   assert many["leaves"] == results["settings"]["many_leaves"] > 1
   assert many["label"].startswith(f"{many['leaves']} leaves (")
-  assert many["targets"]  # its speed targets are evaluated
-  assert f"{many['label']} paired" in stdout
+  assert many["targets"]  # its speed and scratch targets are evaluated
+  assert many["label"] in {r[0] for r in target_rows(results, False)}
 
 
 def test_mpx_steps_are_paired_with_the_check_then_apply_step_of_their_dtype(smoke):
-  results, stdout, _ = smoke
+  results, _, _ = smoke
   for size in sizes(results):
-    assert size["references"] == TIMED_NEXT_TO
-    for name, reference in REFERENCE.items():
+    assert size["references"] == PAIRED_WITH
+    for name, cond in MPX_REFERENCES:
       row = size["rows"][name]
-      cond = CHECK_THEN_APPLY[name]
-      assert row["reference"] == reference and row["x_hand"] > 0
-      assert row["check_then_apply"] == cond and row["x_cond"] > 0
-      assert row["paired_with"] == cond
-      assert len(row["paired_rounds"]) == size["rounds"]
-      assert all(x > 0 for x in row["paired_rounds"])
-      assert row["x_cond_paired"] > 0 and row["x_hand_paired"] is None
-    # The other 16-bit rows carry the ratios-of-ratios to their dtype's hand steps only.
-    for cond, reference in (
-      ("hand + cond", REFERENCE["mpx fp16"]),
-      ("hand bf16 + cond", REFERENCE["mpx bf16"]),
-    ):
+      assert row.reference == HAND_OF[row_dtype(results, name)] and row.x_hand > 0
+      assert row.check_then_apply == cond and row.x_cond > 0
+      assert row.paired_with == cond
+      assert len(row.paired_rounds) == size["rounds"]
+      assert all(x > 0 for x in row.paired_rounds)
+      assert row.x_cond_paired > 0 and row.x_hand_paired is None
+    # The check-then-apply steps carry the ratio to their dtype's hand step only.
+    for dtype, cond in CHECK_THEN_APPLY.items():
       row = size["rows"][cond]
-      assert row["reference"] == reference and row["x_hand"] > 0
-      assert row["check_then_apply"] is None and row["x_cond"] is None
-      assert row["x_cond_paired"] is None and row["x_hand_paired"] is None
-    assert size["rows"]["hand + select"]["check_then_apply"] == "hand + cond"
-    assert size["rows"]["optax adam fp32"]["reference"] is None
-  for name, cond in CHECK_THEN_APPLY.items():
-    assert f"| {name} <= 1.00x {cond} (check-then-apply), paired |" in stdout
+      assert row.reference == HAND_OF[dtype] and row.x_hand > 0
+      assert row.check_then_apply is None and row.x_cond is None
+      assert row.x_cond_paired is None and row.x_hand_paired is None
+    assert size["rows"]["hand + select"].check_then_apply == CHECK_THEN_APPLY["float16"]
+    assert size["rows"][BASELINE].reference is None
+  shaped, many = sizes(results)
+  for size in (shaped, many):
+    measured = {r[1]: r[2] for r in target_rows(results) if r[0] == size["label"]}
+    for name, cond in MPX_REFERENCES:
+      target = f"{name} <= {targets.TARGET_VS_COND:.2f}x {cond} (check-then-apply), paired"
+      assert measured[target] == f"{size['rows'][name].x_cond_paired:.3f}x"
+
+
+def row_dtype(results, name):
+  return {v["name"]: v["param_dtype"] for v in results["optimizer"]["variants"]}[name]
 
 
 def test_storage_modes_are_paired_with_the_full_master_step(smoke):
-  results, stdout, _ = smoke
+  results, _, _ = smoke
   for size in sizes(results):
-    for name in MODES:
+    for name in MPX_MODES:
       row = size["rows"][name]
-      assert row["paired_with"] == FULL
-      assert row["reference"] == REFERENCE[FULL]  # x hand, through the baseline
-      assert row["x_hand_paired"] is None and row["x_hand"] > 0
-      assert row["x_cond_paired"] is None and row["x_cond"] > 0
-      assert len(row["paired_rounds"]) == size["rounds"]
-      assert all(x > 0 for x in row["paired_rounds"])
-      assert row["x_full_paired"] > 0 and row["x_full"] > 0
-    assert size["rows"][FULL]["x_full_paired"] is None
-  assert "### The storage modes of the masters, against full masters" in stdout
-  for name in MODES:
-    assert f"| {name} | {FULL} |" in stdout
-  # Their targets hold at 16M and 64M, not on the many-leaf tree; the smoke
-  # sizes are below the targets' threshold, so the rows are rendered here from
-  # its results with the transformer-shaped size counted as a target size.
-  if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-  from benchmarks import report
-
+      assert row.paired_with == MPX_BF16 and row.full == MPX_BF16
+      assert row.reference == HAND_OF["bfloat16"] and row.x_hand > 0  # through the baseline
+      assert row.x_hand_paired is None and row.x_cond_paired is None and row.x_cond > 0
+      assert len(row.paired_rounds) == size["rounds"]
+      assert row.x_full_paired > 0 and row.x_full > 0
+    assert size["rows"][MPX_BF16].x_full_paired is None
+  # Their targets hold at 16M and 64M, not on the many-leaf tree.
   shaped, many = sizes(results)
-  shaped["targets"] = True
-  try:
-    rows = report.targets(results)
-  finally:
-    shaped["targets"] = False
-  for name in MODES:
-    target = f"{name} <= 1.00x {FULL} (full masters), paired"
-    labels = [r[0] for r in rows if r[1] == target]
-    assert labels == [shaped["label"]], name
-    (row,) = [r for r in rows if r[1] == target]
-    assert row[2] == f"{shaped['rows'][name]['x_full_paired']:.3f}x"
+  rows_ = target_rows(results)
+  for name in MPX_MODES:
+    target = f"{name} <= {targets.TARGET_VS_FULL:.2f}x {MPX_BF16} (full masters), paired"
+    (row,) = [r for r in rows_ if r[1] == target]
+    assert row[0] == shaped["label"]
+    assert row[2] == f"{shaped['rows'][name].x_full_paired:.3f}x"
     assert row[3] == "met" or row[3].startswith("**missed** by ")
-  assert many["label"] not in {r[0] for r in rows if "(full masters)" in r[1]}
+  assert many["label"] not in {r[0] for r in rows_ if "(full masters)" in r[1]}
 
 
 def test_xla_bytes_accessed_and_scratch_per_param(smoke):
-  results, stdout, _ = smoke
+  results, _, _ = smoke
   for size in sizes(results):
     for name, row in size["rows"].items():
       # XLA:CPU has a cost analysis: every step reads and writes its state.
-      assert row["accessed_bpp"] > 0, name
-      assert row["temp_bpp"] >= 0, name
-  assert "XLA B/param" in stdout and "temp B/param" in stdout
-  for name in MPX:
-    assert f"| {name} scratch <= 0.1 B/param |" in stdout
+      assert row.accessed_bpp > 0, name
+      assert row.temp_bpp >= 0, name
+  _, many = sizes(results)
+  scratch = [r for r in target_rows(results, False) if " scratch <= " in r[1]]
+  assert [r[1].split(" scratch")[0] for r in scratch] == list(MPX)
+  for r, name in zip(scratch, MPX, strict=True):
+    assert r[2] == f"{many['rows'][name].temp_bpp:.2f} B/param"
 
 
 def test_compile_time_against_leaf_count(smoke):
-  results, stdout, _ = smoke
+  results, _, _ = smoke
   compile_time = results["compile_time"]
   trees = compile_time["trees"]
   # The transformer-shaped tree first, then one tree per leaf count.
-  assert [t["leaves"] for t in trees[1:]] == list(SMOKE_LEAF_COUNTS)
+  counts = [int(c) for c in run.SMOKE_LEAF_COUNTS.split(",")]
+  assert [t["leaves"] for t in trees[1:]] == counts
   assert trees[0]["label"] == sizes(results)[0]["label"]
-  assert compile_time["targeted"] == CHECK_THEN_APPLY
+  assert compile_time["targeted"] == dict(MPX_REFERENCES)
   for tree in trees:
-    assert set(tree["rows"]) == set(COMPILE_VARIANTS)
     for name, row in tree["rows"].items():
       for key in ("trace_s", "lower_s", "compile_s", "total_s", "x_adam"):
         assert row[key] > 0, (tree["label"], name, key)
       assert len(row["totals_s"]) == compile_time["rounds"]
       # The ratio to the check-then-apply step, for the mpx steps only.
-      assert (row["x_cond"] is not None) == (name in CHECK_THEN_APPLY), name
-    assert tree["rows"]["optax adam fp32"]["x_adam"] == 1
-    for name, cond in CHECK_THEN_APPLY.items():
+      assert (row["x_cond"] is not None) == (name in MPX), name
+    assert tree["rows"][BASELINE]["x_adam"] == 1
+    for name, cond in MPX_REFERENCES:
       row, base = tree["rows"][name], tree["rows"][cond]
       assert row["x_cond"] > 0
       if compile_time["rounds"] == 1:  # one round: the ratio is of the two totals
         assert row["x_cond"] == pytest.approx(row["total_s"] / base["total_s"])
-      assert f"| compile, {tree['label']}" in stdout
-      assert f"{name} compile <= 1.3x {cond} (check-then-apply)" in stdout
-  assert "| tree | variant | trace s | lower s | compile s | total s |" in stdout
-  assert "x cond |" in stdout
+  compile_targets = [r for r in targets.targets(results) if r[0].startswith("compile, ")]
+  assert len(compile_targets) == len(trees) * len(MPX)
 
 
 def test_storage_modes_under_two_malloc_settings(smoke):
-  results, stdout, _ = smoke
+  results, _, _ = smoke
   default, no_mmap = results["allocators"]
   assert default["env"] == {} and default["malloc"] == "glibc defaults"
-  assert {k: no_mmap["env"][k] for k in NO_MMAP} == NO_MMAP
+  assert no_mmap["env"] == NO_MMAP_MALLOC
   # The child process saw the setting (recorded from its own environment).
   for key, value in no_mmap["env"].items():
     assert f"{key}={value}" in no_mmap["malloc"], key
@@ -294,25 +248,21 @@ def test_storage_modes_under_two_malloc_settings(smoke):
     assert "error" not in allocator, allocator.get("error")
     (size,) = allocator["sizes"]
     assert size["label"] == shaped["label"] and size["n"] == shaped["n"]
-    assert set(size["rows"]) == set(ALLOCATOR_ROWS)
-    for name in MODES:
+    assert set(size["rows"]) == set(ALLOCATOR_VARIANTS)
+    for name in MPX_MODES:
       row = size["rows"][name]
-      assert row["paired_with"] == FULL and row["x_full_paired"] > 0
-      assert row["fresh_bpp"] >= 0
-  assert "### The storage modes under two malloc settings" in stdout
-  for key, value in NO_MMAP.items():
-    assert f"`{key}={value}`" in stdout
-  assert "| malloc | glibc defaults |" in stdout
+      assert row.paired_with == MPX_BF16 and row.x_full_paired > 0
+      assert row.fresh_bpp >= 0
 
 
 def test_no_host_syncs(smoke):
   results, _, _ = smoke
   for size in sizes(results):
     for name in ALWAYS:
-      assert size["rows"][name]["host_syncs"] == 0, name
-  assert sizes(results)[0]["rows"][OPTAX_PEER]["host_syncs"] == 0
+      assert size["rows"][name].host_syncs == 0, name
+  assert sizes(results)[0]["rows"][OPTAX_PEER].host_syncs == 0
   for mode, row in results["train"]["rows"].items():
-    assert row["host_syncs"] == 0, mode
+    assert row.host_syncs == 0, mode
 
 
 def test_one_compile_per_run(smoke):
@@ -320,19 +270,19 @@ def test_one_compile_per_run(smoke):
   # reuse the executable of the finite steps.
   results, _, _ = smoke
   for size in sizes(results):
-    for name in (*MPX, *MODES):
+    for name in (*MPX, *MPX_MODES):
       row = size["rows"][name]
-      assert (row["compiles"], row["traces"]) == (1, 1), (size["label"], name)
+      assert (row.compiles, row.traces) == (1, 1), (size["label"], name)
   for mode, row in results["train"]["rows"].items():
-    assert (row["compiles"], row["traces"]) == (1, 1), mode
+    assert (row.compiles, row.traces) == (1, 1), mode
 
 
 def test_the_forced_skip_was_skipped(smoke):
   results, _, _ = smoke
   for size in sizes(results):
-    assert size["rows"]["mpx fp16"]["skipped_steps"] == 1, size["label"]
-  train = results["train"]["rows"]["mpx fp16"]
-  assert train["skipped_total"] == train["skipped"] + 1
+    assert size["rows"][MPX_FP16].skipped_steps == 1, size["label"]
+  train = results["train"]["rows"][MPX_FP16]
+  assert train.skipped_total == train.skipped + 1
 
 
 def test_mpx_state_is_adam_plus_a_master(smoke):
@@ -344,31 +294,28 @@ def test_mpx_state_is_adam_plus_a_master(smoke):
       assert state["low_precision_params"] == n
       assert state["masters"] == 4 * n, name
       assert state["inner"] == size["adam_state_bytes"], name
-    # Beside the masters and the inner state: scalars only (step counters, and
-    # the loss scale's under loss_scale).
-    for name in MPX:
-      state = size["mpx_state"][name]
+      # Beside the masters and the inner state: scalars only (step counters,
+      # and the loss scale's under loss_scale).
       assert all(shape == [] for shape in state["other_shapes"]), name
       assert state["other"] <= 4 * len(state["other_shapes"]) <= 4 * 8, name
-    assert size["mpx_state"]["mpx fp16"]["other"] >= LOSS_SCALE_SCALARS
+    assert size["mpx_state"][MPX_FP16]["other"] >= LOSS_SCALE_SCALARS
     # The same seen per parameter, as the tables show it.
-    fp32 = size["rows"]["optax adam fp32"]["state_bpp"]
+    fp32 = size["rows"][BASELINE].state_bpp
     for name in MPX:
-      assert size["rows"][name]["state_bpp"] == pytest.approx(fp32 + 4, abs=64 / n)
+      assert size["rows"][name].state_bpp == pytest.approx(fp32 + 4, abs=64 / n)
 
 
 def test_state_bytes_per_param_by_storage_mode(smoke):
   # AdamW on bf16 params: full masters 12 bytes per parameter, remainders 10,
   # stochastic rounding 8; what is left over is scalars and one key per leaf.
-  results, stdout, _ = smoke
+  results, _, _ = smoke
   for size in sizes(results):
     n, leaves = size["n"], size["leaves"]
     for name, expected in STATE_BPP.items():
-      state_bpp = size["rows"][name]["state_bpp"]
-      assert state_bpp == pytest.approx(expected, abs=(4 * leaves + 64) / n), name
-      assert state_bpp >= expected, name
-      state = size["mpx_state"][name]
-      assert state["inner"] == size["adam_state_bytes"], name
+      state_bpp = size["rows"][name].state_bpp
+      assert expected <= state_bpp == pytest.approx(expected, abs=(4 * leaves + 64) / n), name
+      assert size["mpx_state"][name]["inner"] == size["adam_state_bytes"], name
+      assert size["rows"][name].min_bytes == MIN_BYTES[name]
     full, remainder, stochastic = (size["mpx_state"][name] for name in STATE_BPP)
     assert (full["mode"], remainder["mode"], stochastic["mode"]) == (
       "full",
@@ -388,27 +335,44 @@ def test_state_bytes_per_param_by_storage_mode(smoke):
       remainder["total"] - remainder["other"] - (stochastic["total"] - stochastic["other"])
       == 2 * n - 4 * leaves
     )
-  variants = {v["name"]: v for v in results["optimizer"]["variants"]}
-  for name, min_bytes in MIN_BYTES.items():
-    assert variants[name]["min_bytes"] == min_bytes, name
-  # The memory table: measured rows and the peers' by construction.
-  assert "### Memory: bytes per parameter" in stdout
-  assert "| mpx bf16 remainder | 2 | 10.00 | 12.00 | measured in this run" in stdout
-  for peer, (param, state) in PEER_BYTES.items():
-    (line,) = [x for x in stdout.splitlines() if x.startswith(f"| {peer}")]
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[1:4] == [str(param), str(state), str(param + state)], peer
-    assert cells[4].startswith("by construction, not measured"), peer
-  assert "| variant | min B/param | state B/param |" in stdout
+  # The peers' bytes, stated by construction beside the measured rows.
+  stated = {name: (param, state) for name, param, state, _ in PEER_MEMORY}
+  for peer, expected in PEER_BYTES.items():
+    (name,) = [name for name in stated if name.startswith(peer)]
+    assert stated[name] == expected, peer
 
 
 def test_training_state_bytes(smoke):
   results, _, _ = smoke
-  rows = results["train"]["rows"]
+  rows_ = results["train"]["rows"]
   n = results["train"]["model"]["params"]
-  for mode in ("mpx bf16", "mpx fp16"):
-    assert rows[mode]["state_bpp"] == pytest.approx(rows["fp32 optax"]["state_bpp"] + 4, abs=64 / n)
-    assert rows[mode]["peak_bytes"] > 0
+  base = rows_[train_step.BASELINE]
+  for mode in (MPX_BF16, MPX_FP16):
+    assert rows_[mode].state_bpp == pytest.approx(base.state_bpp + 4, abs=64 / n)
+    assert rows_[mode].peak_bytes > 0
+    assert rows_[mode].compile_x == pytest.approx(rows_[mode].compile_s / base.compile_s)
+
+
+def test_a_rows_ratios_are_derived_from_what_it_was_timed_against():
+  row = StepRow(
+    kind="mpx",
+    n=1000,
+    ms=2.0,
+    min_bytes=30,
+    baseline=BASELINE,
+    ratios={BASELINE: 1.5, "hand": 1.2, "cond": 1.1, "roof": 3.0},
+    reference="hand",
+    check_then_apply="cond",
+    paired_with="cond",
+    paired_rounds=(1.0, 1.3, 1.05),
+    roof="roof",
+    roof_bytes=8000,
+  )
+  assert (row.x_base, row.x_hand, row.x_cond, row.x_full) == (1.5, 1.2, 1.1, None)
+  assert row.x_cond_paired == 1.05 and row.x_hand_paired is None and row.x_full_paired is None
+  assert row.floor_x == pytest.approx(3.0 * 8000 / 30000)
+  assert row.roof_pct == pytest.approx(100 / row.floor_x)
+  assert row.gbps == pytest.approx(30 * 1000 / 2e-3 / 1e9)
 
 
 # --- benchmarks/moments.py: compressed optimizer moments --------------------------------

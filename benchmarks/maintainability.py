@@ -1,0 +1,101 @@
+"""Measures what a maintainer reads: the step's path, docstrings, file sizes.
+
+Run ``python benchmarks/maintainability.py [ROOT]`` (ROOT: a checkout, by
+default this one; the step's path is traced in the mpx that is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import itertools
+import os
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import mpx
+
+PACKAGE = Path(mpx.__file__).resolve().parent
+_COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+
+
+def trace_step() -> list[tuple[str, str]]:
+  """Returns the ``(file, function)`` of every mpx call made while tracing."""
+  params = {"w": jnp.ones((64, 64), jnp.float16), "b": jnp.zeros(64, jnp.float16)}
+  tx = mpx.loss_scale(mpx.mixed_precision(optax.adamw(1e-3)))
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  calls: list[tuple[str, str]] = []
+
+  def profile(frame: FrameType, event: str, arg: Any) -> None:
+    del arg
+    if event != "call":
+      return
+    path = Path(frame.f_code.co_filename)
+    name = frame.f_code.co_qualname
+    if path.is_relative_to(PACKAGE) and not name.endswith(_COMPREHENSIONS):
+      calls.append((str(path.relative_to(PACKAGE)), name))
+
+  step = jax.jit(tx.update)
+  sys.setprofile(profile)
+  try:
+    step.lower(grads, state, params)
+  finally:
+    sys.setprofile(None)
+  return calls
+
+
+def docstring_lines(node: ast.AST) -> int:
+  """Returns the lines of ``node``'s docstring (0 without one)."""
+  text = ast.get_docstring(node, clean=True)  # type: ignore[arg-type]
+  return 0 if text is None else len(text.splitlines())
+
+
+def docstrings(root: Path) -> tuple[int, list[tuple[int, str]]]:
+  """Returns the module docstrings' total lines and each public docstring's."""
+  module_total, public = 0, []
+  for path in sorted((root / "mpx").rglob("*.py")):
+    tree = ast.parse(path.read_text())
+    module_total += docstring_lines(tree)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+        public.append((docstring_lines(node), f"{path.relative_to(root)}:{node.name}"))
+  return module_total, sorted(public, reverse=True)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("root", nargs="?", default=str(Path(__file__).resolve().parents[1]))
+  parser.add_argument("--list", action="store_true", help="print every function of the step")
+  args = parser.parse_args()
+  root = Path(args.root)
+  calls = trace_step()
+  files = sorted({f for f, _ in calls})
+  functions = sorted(set(calls))
+  switches = sum(1 for a, b in itertools.pairwise(calls) if a[0] != b[0])
+  print(f"fp16 step: {len(files)} files, {len(functions)} functions, {switches} calls across files")
+  if args.list:
+    for f, name in functions:
+      print(f"  {f}:{name}")
+  module_total, public = docstrings(root)
+  print(f"module docstrings: {module_total} lines")
+  print("longest public docstrings: " + ", ".join(f"{name} {n}" for n, name in public[:4]))
+  sizes = sorted(
+    (len(p.read_text().splitlines()), p.name) for p in (root / "benchmarks").glob("*.py")
+  )
+  library = sum(len(p.read_text().splitlines()) for p in (root / "mpx").rglob("*.py"))
+  benchmarks = sum(n for n, _ in sizes)
+  print(
+    f"benchmarks: {benchmarks} lines (library {library}); largest {sizes[-1][1]} {sizes[-1][0]}"
+  )
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  main()
