@@ -14,23 +14,24 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import mpx
 from mpx._src import moment_codes as mc
 from mpx._src import rounding
 
 KEY = jnp.uint32(0x1234ABCD)
-KINDS = ("signed", "nonnegative")
+SIGNS = mc.SIGNS
 TINY = np.finfo(np.float32).tiny
 
 
 # --- Independent references ---------------------------------------------------
 
 
-def reference_levels(kind: str) -> np.ndarray:
+def reference_levels(sign: str) -> np.ndarray:
   """The positive levels (ascending, float64) the docs promise, counted down
   from 1.0: signed, 16 per octave in [1/8, 1) then 8 per octave, 127 in all;
   nonnegative, 64 in [1/2, 1), 16 per octave in [1/8, 1/2), then 8 per
   octave, 255 in all."""
-  count, per_octave = (127, [16, 16, 16]) if kind == "signed" else (255, [64, 16, 16])
+  count, per_octave = (127, [16, 16, 16]) if sign == "signed" else (255, [64, 16, 16])
   levels, octave = [1.0], 0
   while len(levels) < count:
     octave += 1
@@ -48,50 +49,50 @@ def blocks_of(x: np.ndarray) -> tuple[np.ndarray, int]:
   return x.reshape(*x.shape[:-1], count, size), x.shape[-1] - pad
 
 
-def neighbours(a: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+def neighbours(a: np.ndarray, sign: str) -> tuple[np.ndarray, np.ndarray]:
   """The levels (float64) just below-or-at and just above each magnitude
   ``a`` in [0, 1]; 0 is a level."""
-  levels = np.concatenate([[0.0], reference_levels(kind)])
+  levels = np.concatenate([[0.0], reference_levels(sign)])
   i = np.clip(np.searchsorted(levels, a, side="right"), 1, len(levels) - 1)
   return levels[i - 1], np.where(levels[i - 1] == a, a, levels[i])
 
 
-def reference_nearest(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+def reference_nearest(x: np.ndarray, sign: str) -> tuple[np.ndarray, np.ndarray]:
   """What nearest rounding may decode ``x`` to: the two candidates (equal
   unless ``x`` sits on a tie), as float32 level times block scale."""
   blocked, n = blocks_of(np.asarray(x, np.float32))
-  magnitude = np.abs(blocked) if kind == "signed" else np.maximum(blocked, 0)
+  magnitude = np.abs(blocked) if sign == "signed" else np.maximum(blocked, 0)
   scale = magnitude.max(-1, keepdims=True, initial=0)
   a = (magnitude / np.where(scale > 0, scale, 1)).astype(np.float64)  # float32 division
-  lo, hi = neighbours(a, kind)
-  if kind == "nonnegative":
+  lo, hi = neighbours(a, sign)
+  if sign == "nonnegative":
     lo = np.where((lo == 0) & (a > 0), hi, lo)  # a positive value never to zero
   best = np.where(a - lo < hi - a, lo, hi)
   other = np.where(a - lo == hi - a, lo, best)
-  sign = np.where(blocked < 0, -1.0, 1.0)
+  signs = np.where(blocked < 0, -1.0, 1.0)
 
   def value(level):
-    out = (sign * level).astype(np.float32) * scale.astype(np.float32)
+    out = (signs * level).astype(np.float32) * scale.astype(np.float32)
     flat = out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
     return flat[..., :n].reshape(np.shape(x))
 
   return value(best), value(other)
 
 
-def encode_decode(x, kind, count=0, stochastic=False, key=KEY):
-  c = _encode_jit(jnp.asarray(x, jnp.float32), kind, key, jnp.int32(count), stochastic)
-  return c, np.asarray(mc.decode(c, kind))
+def encode_decode(x, sign, step=0, stochastic=False, key=KEY):
+  c = _encode_jit(jnp.asarray(x, jnp.float32), sign, key, jnp.int32(step), stochastic)
+  return c, np.asarray(mc.decode(c))
 
 
 _encode_jit = jax.jit(mc.encode, static_argnums=(1, 4))
 
 
-def wide_values(shape, seed=0, kind="signed") -> np.ndarray:
+def wide_values(shape, seed=0, sign="signed") -> np.ndarray:
   """Magnitudes log-uniform over 12 decades, zeros, random signs."""
   rng = np.random.default_rng(seed)
   x = np.asarray(10.0 ** rng.uniform(-12, 0, shape) * rng.choice([-1, 1], shape))
   x[rng.uniform(size=shape) < 0.05] = 0
-  return (np.abs(x) if kind == "nonnegative" else x).astype(np.float32)
+  return (np.abs(x) if sign == "nonnegative" else x).astype(np.float32)
 
 
 # --- Block layout ---------------------------------------------------------------
@@ -144,16 +145,17 @@ def test_block_layout_properties_for_every_length_to_5000():
 @pytest.mark.parametrize(
   "shape", [(300,), (7, 300), (4096,), (64, 4097), (), (3,), (2, 3, 520), (5, 0), (0, 300)]
 )
-@pytest.mark.parametrize("kind", KINDS)
-def test_shapes_dtypes_and_nearest_rounding(shape, kind):
-  x = wide_values(shape, kind=kind)
+@pytest.mark.parametrize("sign", SIGNS)
+def test_shapes_dtypes_and_nearest_rounding(shape, sign):
+  x = wide_values(shape, sign=sign)
   x.reshape(-1)[:1] = 0.75  # a nonzero scalar
-  c, decoded = encode_decode(x, kind)
+  c, decoded = encode_decode(x, sign)
   size, count = mc.block_layout(shape)
+  assert isinstance(c, mpx.Signed8bitMoment if sign == "signed" else mpx.Nonnegative8bitMoment)
   assert c.codes.dtype == jnp.uint8 and c.codes.shape == shape
   assert c.scales.dtype == jnp.float32 and c.scales.shape == (*shape[:-1], count)
   assert decoded.dtype == np.float32 and decoded.shape == shape
-  best, other = reference_nearest(x, kind)
+  best, other = reference_nearest(x, sign)
   assert np.all((decoded == best) | (decoded == other))
   # Bytes stored per element: one code and a share of the scales.
   if x.size:
@@ -169,34 +171,34 @@ def test_bytes_per_element_of_a_large_leaf():
 # --- The code's levels and rounding ---------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sign", SIGNS)
 @pytest.mark.parametrize("scale", [1.0, 3.7, 2.0**-60, 6e30])
-def test_every_code_decodes_to_its_level_times_the_scale(kind, scale):
-  levels = reference_levels(kind)
-  if kind == "signed":
+def test_every_code_decodes_to_its_level_times_the_scale(sign, scale):
+  levels = reference_levels(sign)
+  if sign == "signed":
     expected = np.concatenate([[0.0], levels, [0.0], -levels])
   else:
     expected = np.concatenate([[0.0], levels])
   codes = jnp.arange(256, dtype=jnp.uint8)
-  decoded = mc.decode(mc.QuantizedMoment(codes, jnp.full((1,), scale, jnp.float32)), kind)
+  decoded = mc.decode(mc.STORED_TYPES[sign](codes, jnp.full((1,), scale, jnp.float32)))
   np.testing.assert_array_equal(decoded, expected.astype(np.float32) * np.float32(scale))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sign", SIGNS)
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_levels_and_block_maxima_round_trip_exactly(kind, stochastic):
+def test_levels_and_block_maxima_round_trip_exactly(sign, stochastic):
   rng = np.random.default_rng(1)
-  levels = reference_levels(kind)
-  signs = rng.choice([-1.0, 1.0], levels.size) if kind == "signed" else 1.0
+  levels = reference_levels(sign)
+  signs = rng.choice([-1.0, 1.0], levels.size) if sign == "signed" else 1.0
   scales = np.float32(10.0) ** rng.uniform(-30, 30, (40, 1)).astype(np.float32)
   x = (levels * signs)[None, :].astype(np.float32) * scales  # a level times each row's max
-  for count in range(3):
-    _, decoded = encode_decode(x, kind, count, stochastic)
+  for step in range(3):
+    _, decoded = encode_decode(x, sign, step, stochastic)
     np.testing.assert_array_equal(decoded, x)
   # The largest magnitude of any block decodes exactly, whatever the others.
-  y = wide_values((50, 700), seed=2, kind=kind) * scales[:10].repeat(5, 0)
+  y = wide_values((50, 700), seed=2, sign=sign) * scales[:10].repeat(5, 0)
   blocked, _ = blocks_of(y)
-  _, decoded = encode_decode(y, kind, 5, stochastic)
+  _, decoded = encode_decode(y, sign, 5, stochastic)
   dblocked, _ = blocks_of(decoded)
   at = np.abs(blocked).argmax(-1)[..., None]
   np.testing.assert_array_equal(
@@ -204,9 +206,9 @@ def test_levels_and_block_maxima_round_trip_exactly(kind, stochastic):
   )
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sign", SIGNS)
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_zero_is_exact_and_finite_input_stays_finite(kind, stochastic):
+def test_zero_is_exact_and_finite_input_stays_finite(sign, stochastic):
   big = np.finfo(np.float32).max
   rows = np.array(
     [
@@ -218,9 +220,9 @@ def test_zero_is_exact_and_finite_input_stays_finite(kind, stochastic):
     ],
     np.float32,
   )
-  x = np.abs(rows) if kind == "nonnegative" else rows
-  for count in range(4):
-    _, decoded = encode_decode(x, kind, count, stochastic)
+  x = np.abs(rows) if sign == "nonnegative" else rows
+  for step in range(4):
+    _, decoded = encode_decode(x, sign, step, stochastic)
     assert np.all(np.isfinite(decoded))
     assert np.all(decoded[x == 0] == 0)
     assert np.all(np.sign(decoded) * np.sign(x) >= 0)  # never the wrong sign
@@ -239,8 +241,8 @@ def test_a_positive_second_moment_never_decodes_to_zero(stochastic):
   x[8:12] = TINY * rng.uniform(1, 1.2, (4, 512)).astype(np.float32)
   x[8:12, ::256] = 1e-37
   assert np.all(x >= TINY)
-  for count in range(8):
-    _, decoded = encode_decode(x, "nonnegative", count, stochastic)
+  for step in range(8):
+    _, decoded = encode_decode(x, "nonnegative", step, stochastic)
     assert np.all(decoded >= TINY) and np.all(np.isfinite(decoded))
     # Below the smallest level a value is raised to it (at least float32's
     # smallest normal, where level times scale would flush to zero).
@@ -253,47 +255,47 @@ def test_a_positive_second_moment_never_decodes_to_zero(stochastic):
     np.testing.assert_array_equal(blocks_of(decoded)[0][below], raised[below])
 
 
-def draws(x: np.ndarray, kind: str, counts: int) -> np.ndarray:
-  """``decode(encode(x))`` with stochastic rounding for ``counts`` counts."""
-  f = jax.jit(jax.vmap(lambda c: mc.decode(mc.encode(jnp.asarray(x), kind, KEY, c, True), kind)))
-  return np.asarray(f(jnp.arange(counts, dtype=jnp.int32)), np.float64)
+def draws(x: np.ndarray, sign: str, steps: int) -> np.ndarray:
+  """``decode(encode(x))`` with stochastic rounding at steps 0 to ``steps - 1``."""
+  f = jax.jit(jax.vmap(lambda c: mc.decode(mc.encode(jnp.asarray(x), sign, KEY, c, True))))
+  return np.asarray(f(jnp.arange(steps, dtype=jnp.int32)), np.float64)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(kind):
+@pytest.mark.parametrize("sign", SIGNS)
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(sign):
   rng = np.random.default_rng(4)
-  levels = reference_levels(kind)
+  levels = reference_levels(sign)
   # Row 0: its scale is 1 (x / scale is exact); points spread between the
   # levels, the octave boundaries and (signed) below the smallest level.
   a = np.sort(np.concatenate([[1.0], rng.uniform(levels[0], 1, 200), levels[:8] * 1.37]))
-  if kind == "signed":
+  if sign == "signed":
     a = np.concatenate([a, levels[0] * rng.uniform(0, 1, 16)])
     a = a * rng.choice([-1, 1], a.size)
   x = np.stack([a, a * 3.7, a * 1e-20]).astype(np.float32)  # scales 1, 3.7, 1e-20
-  counts = 4000
-  d = draws(x, kind, counts)
+  n_draws = 4000
+  d = draws(x, sign, n_draws)
   scale = np.abs(x).max(-1, keepdims=True).astype(np.float64)
-  lo, hi = neighbours(np.abs(x) / scale, kind)
-  sign = np.sign(x)
-  lo_v = (sign * lo).astype(np.float32) * scale.astype(np.float32)
-  hi_v = (sign * hi).astype(np.float32) * scale.astype(np.float32)
+  lo, hi = neighbours(np.abs(x) / scale, sign)
+  signs = np.sign(x)
+  lo_v = (signs * lo).astype(np.float32) * scale.astype(np.float32)
+  hi_v = (signs * hi).astype(np.float32) * scale.astype(np.float32)
   assert np.all((d == lo_v) | (d == hi_v))  # always a neighbouring level
-  # The mean of `counts` draws is within 5 standard errors of x, plus the
+  # The mean of `n_draws` draws is within 5 standard errors of x, plus the
   # float32 rounding of x / scale and of the decoded product (2 ulps).
   x64, lo64, hi64 = (np.abs(v).astype(np.float64) for v in (x, lo_v, hi_v))
-  sd = np.sqrt((x64 - lo64) * (hi64 - x64) / counts)
+  sd = np.sqrt((x64 - lo64) * (hi64 - x64) / n_draws)
   slack = 5 * sd + 2 * np.spacing(np.abs(x).astype(np.float32)).astype(np.float64)
   assert np.all(np.abs(d.mean(0) - x) <= slack)
   # And no bias in aggregate: the relative error of the summed draws.
   assert abs(d.mean(0).sum() / x.astype(np.float64).sum() - 1) < 1e-3
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_nonnegative_values_below_the_smallest_level_round_up_and_signed_ones_unbiased(kind):
-  smallest = reference_levels(kind)[0]
+@pytest.mark.parametrize("sign", SIGNS)
+def test_nonnegative_values_below_the_smallest_level_round_up_and_signed_ones_unbiased(sign):
+  smallest = reference_levels(sign)[0]
   x = np.concatenate([[1.0], smallest * np.linspace(0.05, 0.95, 19)]).astype(np.float32)[None]
-  d = draws(x, kind, 4000)
-  if kind == "nonnegative":
+  d = draws(x, sign, 4000)
+  if sign == "nonnegative":
     assert np.all(d[:, 0, 1:] == np.float32(smallest))
   else:
     assert set(np.unique(d[:, 0, 1:])) <= {0.0, np.float32(smallest)}
@@ -301,9 +303,9 @@ def test_nonnegative_values_below_the_smallest_level_round_up_and_signed_ones_un
     assert np.all(np.abs(d[:, 0, 1:].mean(0) - x[0, 1:]) <= 5 * sd)
 
 
-def test_kinds_and_formats_draw_independent_bits_from_one_key():
-  """mu and nu (or a master) rounded with one key and count must not share
-  their random choices: each format and kind salts the key."""
+def test_signs_and_formats_draw_independent_bits_from_one_key():
+  """mu and nu (or a master) rounded with one key and step must not share
+  their random choices: each format and sign salts the key."""
   levels = reference_levels("signed")
   # Halfway between two levels (of both codes, in [1/8, 1/4)): up or down
   # with probability 1/2 each.
@@ -311,8 +313,8 @@ def test_kinds_and_formats_draw_independent_bits_from_one_key():
   x[0, ::256] = 1.0  # every block's scale
   halfway = x[0] < 1
   ups = []
-  for kind in KINDS:
-    _, d = encode_decode(x, kind, 7, True)
+  for sign in SIGNS:
+    _, d = encode_decode(x, sign, 7, True)
     ups.append((d > x)[0, halfway])
   tie = jnp.full(x.shape, 1 + 2.0**-8, jnp.float32)  # halfway between two bfloat16s
   bf16 = np.asarray(mc.encode_bfloat16(tie, KEY, jnp.int32(7), True)).astype(np.float32)
@@ -363,43 +365,43 @@ def test_bfloat16_stochastic_is_a_neighbour_unbiased_and_keeps_positives():
 # --- Under jit, sharded -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_one_compilation_and_no_host_transfer(kind):
-  x = jax.device_put(jnp.asarray(wide_values((8, 4096), kind=kind)))
+@pytest.mark.parametrize("sign", SIGNS)
+def test_one_compilation_and_no_host_transfer(sign):
+  x = jax.device_put(jnp.asarray(wide_values((8, 4096), sign=sign)))
   key = jax.device_put(KEY)
 
   @jax.jit
-  def step(x, count):
-    return mc.decode(mc.encode(x, kind, key, count, True), kind)
+  def round_trip(x, step):
+    return mc.decode(mc.encode(x, sign, key, step, True))
 
-  counts = [jax.device_put(jnp.int32(i)) for i in range(4)]
+  steps = [jax.device_put(jnp.int32(i)) for i in range(4)]
   with jax.transfer_guard("disallow"):
-    outs = [step(x, c) for c in counts]
-  assert step._cache_size() == 1
-  assert not np.array_equal(outs[0], outs[1])  # fresh bits per count
+    outs = [round_trip(x, step) for step in steps]
+  assert round_trip._cache_size() == 1
+  assert not np.array_equal(outs[0], outs[1])  # fresh bits per step
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 @pytest.mark.parametrize("spec", [P(None, "x"), P("x", None)])
-@pytest.mark.parametrize("kind", KINDS)
-def test_sharded_leaf_codes_bitwise_as_unsharded_with_no_collective(spec, kind):
+@pytest.mark.parametrize("sign", SIGNS)
+def test_sharded_leaf_codes_bitwise_as_unsharded_with_no_collective(spec, sign):
   """Blocks follow the last axis: sharding 4096 columns 8 ways gives each
   device 2 whole blocks, so encoding needs no communication."""
   mesh = jax.make_mesh((8,), ("x",))
-  x = jnp.asarray(wide_values((16, 4096), seed=7, kind=kind))
-  plain = mc.encode(x, kind, KEY, jnp.int32(3), True)
+  x = jnp.asarray(wide_values((16, 4096), seed=7, sign=sign))
+  plain = mc.encode(x, sign, KEY, jnp.int32(3), True)
   sharding = NamedSharding(mesh, spec)
-  f = jax.jit(functools.partial(mc.encode, kind=kind, key=KEY, stochastic=True))
-  lowered = f.lower(jax.device_put(x, sharding), count=jnp.int32(3))
+  f = jax.jit(functools.partial(mc.encode, sign=sign, key=KEY, stochastic=True))
+  lowered = f.lower(jax.device_put(x, sharding), step=jnp.int32(3))
   text = lowered.compile().as_text()
   for collective in ("all-reduce", "all-gather", "collective-permute", "all-to-all"):
     assert collective not in text
-  sharded = f(jax.device_put(x, sharding), count=jnp.int32(3))
+  sharded = f(jax.device_put(x, sharding), step=jnp.int32(3))
   np.testing.assert_array_equal(sharded.codes, plain.codes)
   np.testing.assert_array_equal(sharded.scales, plain.scales)
   assert sharded.codes.sharding.is_equivalent_to(sharding, 2)
-  decoded = jax.jit(functools.partial(mc.decode, kind=kind))(sharded)
-  np.testing.assert_array_equal(decoded, mc.decode(plain, kind))
+  decoded = jax.jit(mc.decode)(sharded)
+  np.testing.assert_array_equal(decoded, mc.decode(plain))
 
 
 def test_bad_input_names_the_fix():
@@ -408,7 +410,9 @@ def test_bad_input_names_the_fix():
     mc.encode(x, "unsigned", KEY, jnp.int32(0), True)
   c = mc.encode(x, "signed", KEY, jnp.int32(0), True)
   with pytest.raises(ValueError, match="do not match"):
-    mc.decode(mc.QuantizedMoment(c.codes, c.scales[:, :1]), "signed")
+    mc.decode(c._replace(scales=c.scales[:, :1]))
+  with pytest.raises(ValueError, match="Signed8bitMoment or a Nonnegative8bitMoment"):
+    mc.decode(mpx.Bfloat16Moment(x))
 
 
 # --- Adam fed the same gradients --------------------------------------------------
@@ -453,16 +457,16 @@ def adam_side_by_side(grads, checkpoints: int):
   first = jax.tree.map(lambda g: g[0], grads)
   key = jnp.asarray(rounding.leaf_key(0, 0))
 
-  def enc(s, count):
+  def enc(s, step):
     return (
-      jax.tree.map(lambda m: mc.encode(m, "signed", key, count, True), s.mu),
-      jax.tree.map(lambda v: mc.encode(v, "nonnegative", key, count, True), s.nu),
+      jax.tree.map(lambda m: mc.encode(m, "signed", key, step, True), s.mu),
+      jax.tree.map(lambda v: mc.encode(v, "nonnegative", key, step, True), s.nu),
     )
 
   def dec(stored):
-    is_q = lambda x: isinstance(x, mc.QuantizedMoment)  # noqa: E731
-    mu = jax.tree.map(lambda q: mc.decode(q, "signed"), stored[0], is_leaf=is_q)
-    nu = jax.tree.map(lambda q: mc.decode(q, "nonnegative"), stored[1], is_leaf=is_q)
+    is_q = lambda x: isinstance(x, tuple(mc.STORED_TYPES.values()))  # noqa: E731
+    mu = jax.tree.map(mc.decode, stored[0], is_leaf=is_q)
+    nu = jax.tree.map(mc.decode, stored[1], is_leaf=is_q)
     return mu, nu
 
   def rel(c, f):
