@@ -133,7 +133,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -773,11 +773,6 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     type=pathlib.Path,
     help="also write the run's settings, per-row losses and gaps and the checks to this file",
   )
-  parser.add_argument(
-    "--readme",
-    type=pathlib.Path,
-    help="write this run's table into the results block of this file (README.md)",
-  )
   args = parser.parse_args(argv)
   args.smoke = args.smoke or os.environ.get("MPX_SMOKE", "") not in ("", "0")
   if args.rows is None:
@@ -789,11 +784,6 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
       parser.error(f"--rows: unknown {sorted(unknown)}; the rows are {', '.join(MODES)}")
     names |= {ROWS[0].name, *(ROW_BY_NAME[n].same_as for n in names if ROW_BY_NAME[n].same_as)}
     args.rows = [row for row in ROWS if row.name in names]
-    if args.readme and len(args.rows) < len(ROWS):
-      parser.error("--readme needs every row: not with --rows")
-  if args.readme and (args.smoke or args.no_check):
-    # The block states the bounds the checks enforce: they must have run.
-    parser.error("--readme needs a checked run: not with --smoke, MPX_SMOKE or --no-check")
   preset = SMOKE if args.smoke else DEFAULT
   for name, value in preset.items():
     if getattr(args, name) is None:
@@ -826,8 +816,24 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
   return settings, args
 
 
+class Run(NamedTuple):
+  """What a run printed and measured: the report (table and checks), each
+  row's result, its wall time in seconds and whether every check held."""
+
+  report: list[str]
+  results: list[Result]
+  seconds: float
+  ok: bool
+
+
 def main(argv: list[str] | None = None) -> int:
   settings, args = parse_args(argv)
+  return 0 if run(settings, args).ok else 1
+
+
+def run(settings: Settings, args: argparse.Namespace) -> Run:
+  """Trains every row of ``args.rows``, prints the table and the checks, and
+  writes the plot (and ``--json``)."""
   if args.smoke:
     # The smoke run only checks that everything runs, and on the CPU it is
     # mostly compilation: skipping XLA's LLVM optimisations halves it. Set
@@ -880,12 +886,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     write_json(args.json, settings, results, checks, ok, seconds, compile_seconds)
     print(f"wrote {args.json}")
-  if args.readme:
-    write_readme_block(
-      args.readme, report, results, seconds, argv, tolerance=args.tolerance, min_gap=args.min_gap
-    )
-    print(f"updated the results block of {args.readme}")
-  return 0 if ok else 1
+  return Run(report, results, seconds, ok)
 
 
 def float16_compiles() -> bool:
@@ -974,85 +975,6 @@ def write_json(
   )
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(record, indent=1) + "\n")
-
-
-README_START = "<!-- demo-results:start (written by examples/demo.py --readme README.md) -->"
-README_END = "<!-- demo-results:end -->"
-
-
-def bounds_summary(tolerance: float | None = None, min_gap: float | None = None) -> str:
-  """The claims :func:`check` enforces at full size, in words, with the bounds
-  of :data:`ROWS` or the run's overrides of them (as passed to :func:`check`)."""
-  within: dict[float, list[str]] = {}
-  worse: dict[float, list[str]] = {}
-  for r in ROWS:
-    if r.tolerance is not None:
-      within.setdefault(r.tolerance if tolerance is None else tolerance, []).append(r.name)
-    if r.worse_by is not None:
-      worse.setdefault(r.worse_by if min_gap is None else min_gap, []).append(r.name)
-  gaps = [f"{_names(names)} at most {bound:.1%}" for bound, names in within.items()]
-  if gaps:
-    gaps[0] = gaps[0].replace(" at most ", " end at most ", 1) + " above FP32's validation loss"
-  claims = [
-    *(f"`{r.name}` is bitwise `{r.same_as}`" for r in ROWS if r.same_as),
-    ", ".join(gaps),
-    *(f"{_names(names)} more than {bound:.1%} above it" for bound, names in worse.items()),
-  ]
-  return "; ".join(claim for claim in claims if claim)
-
-
-def _names(names: list[str]) -> str:
-  quoted = [f"`{name}`" for name in names]
-  return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
-
-
-def write_readme_block(
-  path: pathlib.Path,
-  report: list[str],
-  results: list[Result],
-  seconds: float,
-  argv: list[str] | None,
-  tolerance: float | None = None,
-  min_gap: float | None = None,
-) -> None:
-  """Replaces what lies between the README's two markers by this run: where
-  and how long it ran, its table and checks verbatim, and in words what the
-  checks guarantee on any machine and what varies with the machine.
-
-  ``tolerance`` and ``min_gap`` are the run's overrides of the rows' bounds,
-  as passed to :func:`check`.
-  """
-  text = path.read_text()
-  if text.count(README_START) != 1 or text.count(README_END) != 1:
-    raise SystemExit(f"--readme: {path} needs one {README_START!r} and one {README_END!r} line")
-  head, rest = text.split(README_START)
-  _, tail = rest.split(README_END)
-  flags = sys.argv[1:] if argv is None else argv
-  command = " ".join(["python examples/demo.py", *flags])
-  load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-  reference = results[0]
-  bounded = [relative_gap(r, reference) for r in results if ROW_BY_NAME[r.mode].tolerance]
-  worse = [r for r in results if ROW_BY_NAME[r.mode].worse_by is not None]
-  this_run = [
-    f"the mpx rows end {min(bounded):+.2%} to {max(bounded):+.2%}" if bounded else "",
-    *(f"`{r.mode}` {relative_gap(r, reference):+.2%}" for r in worse),
-  ]
-  block = [
-    f"On {machine()}: `{command}`; the demo took {seconds:.0f} s, load average {load} at the end.",
-    "",
-    "```",
-    *report,
-    "```",
-    "",
-    f"On any machine the demo exits 0 only if these hold: {bounds_summary(tolerance, min_gap)}.",
-    f"The numbers within those bounds depend on the machine (in this run "
-    f"{', '.join(x for x in this_run if x)}): XLA:CPU picks its kernels, vectorisation and "
-    "fused multiply-adds by the CPU's features and by its own version, so the last bits "
-    "of each step differ between machines, and the differences grow over the run. A "
-    "rerun on the same machine and versions prints the same losses; tokens/s and the "
-    "time vary with the CPU and its load.",
-  ]
-  path.write_text(head + README_START + "\n" + "\n".join(block) + "\n" + README_END + tail)
 
 
 if __name__ == "__main__":

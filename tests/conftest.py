@@ -17,8 +17,12 @@ os.environ["XLA_FLAGS"] = (
 
 import pytest
 
+# The forms of the finite check and the skip, by the values of the tests' switch
+# MPX_TEST_FORM (mpx/_src/form_switch.py; CONTRIBUTING.md).
+FORMS = {"one CPU device": "one-cpu", "several devices": "several-devices", "GPU form": "gpu"}
 
-@pytest.fixture(params=["one CPU device", "several devices", "GPU form"])
+
+@pytest.fixture(params=list(FORMS))
 def finite_check_form(request, monkeypatch):
   """Runs a test under each form of the finite check and the skip.
 
@@ -27,13 +31,8 @@ def finite_check_form(request, monkeypatch):
   summed or folded instead (see mpx/_src/finite.py). Both skip inside a
   ``lax.cond``. A program lowered for a GPU checks every leaf whole and skips
   by a select instead (mpx/_src/skip.py): "GPU form" runs that program on
-  the CPU. The skip guarantees must hold in all three.
+  the CPU. The skip guarantees must hold in all three. The fixture sets the
+  documented switch ``MPX_TEST_FORM`` and nothing else.
   """
-  from mpx._src import finite
-
-  if request.param == "GPU form":
-    monkeypatch.setenv("MPX_TEST_GPU_FORM", "1")  # the switch (mpx/_src/skip.py)
-  else:
-    monkeypatch.delenv("MPX_TEST_GPU_FORM", raising=False)
-    monkeypatch.setattr(finite, "_single_cpu_device", lambda: request.param == "one CPU device")
+  monkeypatch.setenv("MPX_TEST_FORM", FORMS[request.param])
   return request.param

@@ -1,11 +1,11 @@
 """Every optimizer in ``optax`` and ``optax.contrib`` under mpx, checked bitwise.
 
-Run by ``tests/test_optax_zoo.py`` as
-``XLA_FLAGS=--xla_cpu_max_isa=AVX python tests/optax_zoo.py NAME ...``: XLA:CPU
-otherwise contracts ``a * b + c`` into a fused multiply-add where it sees fit,
-differently in the mpx step and the plain optax step, and the same optimizer
-then differs in its last bit. The flag keeps FMA instructions out; the script
-checks that it took (``contraction_off``) before it checks anything else.
+Run by ``tests/test_optax_zoo.py`` as ``XLA_FLAGS=--xla_cpu_max_isa=AVX
+python tests/tools/optax_zoo_cli.py NAME ...``: XLA:CPU otherwise contracts
+``a * b + c`` into a fused multiply-add where it sees fit, differently in the
+mpx step and the plain optax step, and the same optimizer then differs in its
+last bit. The flag keeps FMA instructions out; the worker checks that it took
+(``contraction_off``) before it checks anything else.
 
 For each optimizer it prints one ``RESULT {json}`` line with the failures it
 found (none when the optimizer conforms):
@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -483,23 +480,3 @@ def contraction_off() -> bool:
     jnp.full(64, x), jnp.full(64, x), jnp.full(64, product)
   )
   return bool(np.all(np.asarray(residual) == 0))
-
-
-def main(names: list[str]) -> None:
-  print("CONTRACTION_OFF", json.dumps(contraction_off()), flush=True)
-  for name in names:
-    start = time.perf_counter()
-    case = CASES[name]
-    failures = []
-    for check in (check_mixed_precision, check_loss_scale):
-      try:
-        failures += check(case)
-      except Exception as error:  # reported per optimizer, not fatal to the run
-        failures.append(f"{check.__name__} raised {type(error).__name__}: {error}")
-    seconds = round(time.perf_counter() - start, 2)
-    result = {"name": name, "failures": failures, "seconds": seconds}
-    print("RESULT", json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:] or sorted(CASES))

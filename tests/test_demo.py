@@ -3,11 +3,9 @@ and its self-check, in process, on made-up results."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
-import sys
 
 import cli_output
 import numpy as np
@@ -172,15 +170,17 @@ def test_default_size_run_passes_its_checks(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo():
+def readme_tool():
+  """tests/tools/readme_demo_block.py, the README's results-block writer."""
+  from tools import readme_demo_block
+
+  return readme_demo_block
+
+
+@pytest.fixture(scope="module")
+def demo(readme_tool):
   """examples/demo.py as a module (it imports examples/lm.py as ``lm``)."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.syspath_prepend(str(cli_output.EXAMPLES))
-    spec = importlib.util.spec_from_file_location("demo", cli_output.EXAMPLES / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    patch.setitem(sys.modules, "demo", module)  # for its dataclasses' annotations
-    spec.loader.exec_module(module)
-  return module
+  return readme_tool.load_demo()
 
 
 def made_up_results(demo, val_losses: dict[str, float]) -> list:
@@ -342,22 +342,24 @@ BOUNDS = (
 )
 
 
-def test_readme_block_is_rewritten_from_the_run_and_nothing_else(demo, tmp_path):
+def test_readme_block_is_rewritten_from_the_run_and_nothing_else(demo, readme_tool, tmp_path):
   readme = tmp_path / "README.md"
   before, after = "# Title\n\nintro\n", "\nrest of the page\n"
-  readme.write_text(f"{before}{demo.README_START}\nstale table\n{demo.README_END}{after}")
+  readme.write_text(
+    f"{before}{readme_tool.README_START}\nstale table\n{readme_tool.README_END}{after}"
+  )
   results = made_up_results(
     demo, {"bf16 stochastic": 1.004, "fp16+mpx+scale": 0.997, "bf16 no masters": 1.033}
   )
   ok, checks = demo.check(results)
   assert ok
   report = demo.table_lines(results) + checks
-  demo.write_readme_block(readme, report, results, 279.4, ["--steps", "10"])
+  readme_tool.write_readme_block(readme, report, results, 279.4, ["--steps", "10"])
   text = readme.read_text()
-  assert text.startswith(before + demo.README_START + "\n")
-  assert text.endswith(demo.README_END + after)
+  assert text.startswith(before + readme_tool.README_START + "\n")
+  assert text.endswith(readme_tool.README_END + after)
   assert "stale table" not in text
-  block = text.split(demo.README_START)[1].split(demo.README_END)[0]
+  block = text.split(readme_tool.README_START)[1].split(readme_tool.README_END)[0]
   # Where it ran, with what its numbers depend on, and how long it took.
   header = block.splitlines()[1]
   assert header.startswith("On a ") and "CPU" in header and ", jax 0." in header, header
@@ -371,11 +373,11 @@ def test_readme_block_is_rewritten_from_the_run_and_nothing_else(demo, tmp_path)
   assert "Every mpx row ends within" not in block
 
 
-def test_readme_block_states_the_bounds_the_run_checked(demo, tmp_path):
+def test_readme_block_states_the_bounds_the_run_checked(demo, readme_tool, tmp_path):
   readme = tmp_path / "README.md"
-  readme.write_text(f"{demo.README_START}\n{demo.README_END}\n")
+  readme.write_text(f"{readme_tool.README_START}\n{readme_tool.README_END}\n")
   results = made_up_results(demo, {"bf16 no masters": 1.033})
-  demo.write_readme_block(readme, [], results, 1.0, [], tolerance=0.05, min_gap=0.03)
+  readme_tool.write_readme_block(readme, [], results, 1.0, [], tolerance=0.05, min_gap=0.03)
   text = readme.read_text()
   assert (
     "`bf16+mpx`, `bf16+mpx remainder`, `bf16 stochastic`, `bf16 remainder + bf16 moments`, "
@@ -385,11 +387,18 @@ def test_readme_block_states_the_bounds_the_run_checked(demo, tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--no-check", "--smoke"])
-def test_readme_needs_a_checked_full_size_run(demo, flag, monkeypatch, capsys):
+def test_readme_needs_a_checked_full_size_run(readme_tool, flag, monkeypatch, capsys):
   monkeypatch.delenv("MPX_SMOKE", raising=False)
   with pytest.raises(SystemExit):
-    demo.parse_args(["--readme", "README.md", flag])
-  assert "--readme needs a checked run" in capsys.readouterr().err
+    readme_tool.parse_args(["README.md", flag])
+  assert "the block needs a checked run" in capsys.readouterr().err
+
+
+def test_readme_tool_passes_the_demo_its_flags(readme_tool, monkeypatch):
+  monkeypatch.delenv("MPX_SMOKE", raising=False)
+  readme, flags, settings, args = readme_tool.parse_args(["README.md", "--steps", "10"])
+  assert readme == pathlib.Path("README.md") and flags == ["--steps", "10"]
+  assert settings.opt.steps == 10 and not args.no_check
 
 
 def test_rows_selects_rows_with_the_reference_and_what_they_must_equal(demo, monkeypatch):
@@ -404,11 +413,17 @@ def test_rows_selects_rows_with_the_reference_and_what_they_must_equal(demo, mon
   assert [row.name for row in demo.parse_args([])[1].rows] == list(MODES)
 
 
-@pytest.mark.parametrize("argv", [["--rows", "bf16"], ["--rows", "fp32", "--readme", "README.md"]])
-def test_rows_rejects_unknown_names_and_a_partial_readme(demo, argv, monkeypatch, capsys):
+def test_rows_rejects_unknown_names(demo, monkeypatch, capsys):
   monkeypatch.delenv("MPX_SMOKE", raising=False)
   with pytest.raises(SystemExit):
-    demo.parse_args(argv)
+    demo.parse_args(["--rows", "bf16"])
+  assert "--rows" in capsys.readouterr().err
+
+
+def test_readme_needs_every_row(readme_tool, monkeypatch, capsys):
+  monkeypatch.delenv("MPX_SMOKE", raising=False)
+  with pytest.raises(SystemExit):
+    readme_tool.parse_args(["README.md", "--rows", "fp32"])
   assert "--rows" in capsys.readouterr().err
 
 
@@ -429,19 +444,19 @@ def test_json_record_has_each_row_s_gap_and_bound(demo, tmp_path, monkeypatch):
   assert rows["bf16 stochastic"]["tolerance"] == 0.02 and rows["bf16+mpx"]["tolerance"] == 0.01
 
 
-def test_readme_block_needs_both_markers(demo, tmp_path):
+def test_readme_block_needs_both_markers(demo, readme_tool, tmp_path):
   readme = tmp_path / "README.md"
-  readme.write_text(f"{demo.README_START}\nno end marker\n")
+  readme.write_text(f"{readme_tool.README_START}\nno end marker\n")
   results = made_up_results(demo, {})
   with pytest.raises(SystemExit, match="needs one"):
-    demo.write_readme_block(readme, [], results, 1.0, [])
+    readme_tool.write_readme_block(readme, [], results, 1.0, [])
 
 
-def test_the_readme_shows_a_table_in_the_demo_s_current_format(demo):
-  # The README's block is written by `python examples/demo.py --readme README.md`;
+def test_the_readme_shows_a_table_in_the_demo_s_current_format(demo, readme_tool):
+  # The README's block is written by `python tests/tools/readme_demo_block.py README.md`;
   # a change to the table's columns fails here until the demo is run again.
   text = (cli_output.EXAMPLES.parent / "README.md").read_text()
-  block = text.split(demo.README_START)[1].split(demo.README_END)[0]
+  block = text.split(readme_tool.README_START)[1].split(readme_tool.README_END)[0]
   assert demo.TABLE_HEADER in block.splitlines()
   for mode in demo.MODES:
     assert any(line.startswith(mode + " ") for line in block.splitlines()), mode

@@ -2,6 +2,7 @@
 check takes; finite values never refused, even where their sum overflows."""
 
 import math
+import os
 from unittest import mock
 
 import hypothesis.strategies as st
@@ -19,9 +20,17 @@ SHAPES = [(7,), (16 * 1024,), (16 * 1024 + 5,), (3, 16 * 1024 + 1), (1 << 19,), 
 DTYPES = [jnp.float16, jnp.float32, jnp.bfloat16]
 
 
+def form(single_cpu=True):
+  """Sets the tests' switch (``MPX_TEST_FORM``) set to the one-CPU or the several-device form."""
+  value = "one-cpu" if single_cpu else "several-devices"
+  return mock.patch.dict(os.environ, {"MPX_TEST_FORM": value})
+
+
 def traced(tree, single_cpu=True):
-  with mock.patch.object(finite_lib, "_single_cpu_device", lambda: single_cpu):
-    return jax.jit(mpx.all_finite).lower(tree).compile()
+  # A fresh function: jax caches a trace by the function traced, so a jit of
+  # mpx.all_finite itself would keep the form of its first trace.
+  with form(single_cpu):
+    return jax.jit(lambda tree: mpx.all_finite(tree)).lower(tree).compile()
 
 
 def positions(size):
@@ -68,8 +77,8 @@ def test_each_dtype_takes_its_form_on_a_single_cpu_device():
   # Structure, not speed: bfloat16/float32 leaves are summed (read once by a
   # library kernel, no scratch) and float16 leaves folded in blocks.
   def jaxpr(x):
-    with mock.patch.object(finite_lib, "_single_cpu_device", lambda: True):
-      return str(jax.make_jaxpr(mpx.all_finite)(x))
+    with form():
+      return str(jax.make_jaxpr(lambda x: mpx.all_finite(x))(x))
 
   big = 1 << 16
   assert "reduce_sum" in jaxpr(jnp.ones(big, jnp.bfloat16))

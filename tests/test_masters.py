@@ -85,7 +85,7 @@ def test_remainder_is_bitwise_full_over_whole_trajectories(inner, form, monkeypa
   # The GPU form: the programs a GPU runs (a select instead of lax.cond), on
   # the CPU. (Across forms XLA:CPU may contract a * b + c differently; the
   # zoo compares both forms with float32 optax with contraction off.)
-  monkeypatch.setenv("MPX_TEST_GPU_FORM", "1" if form == "GPU form" else "0")
+  monkeypatch.setenv("MPX_TEST_FORM", "gpu" if form == "GPU form" else "")
   params = hard_params(0)
   rule = optax.sgd(1.0) if inner == "sgd" else optax.adamw(3e-2, weight_decay=1e-2)
   seq = grads_sequence(params, 40, seed=1)

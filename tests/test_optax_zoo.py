@@ -1,11 +1,11 @@
 """Every optax and optax.contrib optimizer under mpx, bitwise against float32 optax.
 
 The checks themselves are in ``tests/optax_zoo.py`` (see its docstring); they
-run in two subprocesses with FMA contraction off, one per core, and each
-optimizer is reported as its own test here (``-m slow``: about 80 s on two
-cores), once with the CPU program's skip and once with the GPU program's.
-The completeness test, quick, fails when optax gains an optimizer the table
-does not list.
+run in two subprocesses of ``tests/tools/optax_zoo_cli.py`` with FMA
+contraction off, one per core, and each optimizer is reported as its own test
+here (``-m slow``: about 80 s on two cores), once with the CPU program's skip
+and once with the GPU program's. The completeness test, quick, fails when
+optax gains an optimizer the table does not list.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import optax_zoo
 import pytest
 
-WORKER = Path(__file__).with_name("optax_zoo.py")
+WORKER = Path(__file__).parent / "tools" / "optax_zoo_cli.py"
 PROCESSES = 2
 
 
@@ -38,12 +38,13 @@ def test_every_optimizer_in_optax_is_listed():
 def zoo_results(request) -> dict:
   names = sorted(optax_zoo.CASES)
   env = {
-    **os.environ,
+    **{k: v for k, v in os.environ.items() if k != "MPX_TEST_FORM"},
     "JAX_PLATFORMS": "cpu",
     # No FMA instructions, hence no multiply-add contraction (checked below).
     "XLA_FLAGS": "--xla_cpu_max_isa=AVX",
-    # The GPU program's skip (a select) and finite check, run on the CPU.
-    "MPX_TEST_GPU_FORM": "1" if request.param == "GPU form" else "0",
+    # The GPU program's skip (a select) and finite check, run on the CPU; empty
+    # (unset): the CPU program's, as one CPU device lowers it.
+    "MPX_TEST_FORM": "gpu" if request.param == "GPU form" else "",
   }
   workers = [
     subprocess.Popen(

@@ -12,7 +12,7 @@ the learning rate with ``mpx.adjust`` at step 20.
 The test saves ``{"params", "opt_state"}`` with orbax's ``StandardCheckpointer``
 before a step from each of those situations (and every tenth step with
 ``MPX_LONG=1``).
-A fresh Python process (``python tests/training_loop.py resume ...``) rebuilds
+A fresh Python process (``python tests/tools/training_loop_cli.py resume ...``) rebuilds
 the transformation from its constructor arguments, restores each checkpoint
 into the abstract tree of ``tx.init`` (``jax.eval_shape``), and trains to the
 end. Every restored value must equal the saved one (dtype included), and every
@@ -121,7 +121,7 @@ def test_restored_in_a_fresh_process_the_run_continues_bitwise(tmp_path, mode):
   checkpointer.wait_until_finished()
 
   out = tmp_path / "resumed.pkl"
-  command = [sys.executable, str(HERE / "training_loop.py"), "resume", mode]
+  command = [sys.executable, str(HERE / "tools" / "training_loop_cli.py"), "resume", mode]
   command += [str(tmp_path), str(out)]
   result = subprocess.run(
     [*command, *map(str, steps)],

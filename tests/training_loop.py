@@ -29,19 +29,14 @@ input like the plan, so a reference run can be fed exactly the batches of the
 clean steps, in order. A step can also *pin* the
 loss scale to a given value before it runs (see ``test_fault_injection``).
 
-``python tests/training_loop.py resume MODE CKPT_ROOT OUT_FILE K...`` is the
-fresh process of ``test_resume``: for the resume mode ``MODE`` (a key of
-:data:`RESUME_MODES`) it restores each checkpoint ``CKPT_ROOT/step_K`` (the
-state before step K), trains from step K to the end and pickles the restored
-states and the trajectories.
+The resume scenario (``resume_*``) is shared with ``test_resume``'s fresh
+process, ``tests/tools/training_loop_cli.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import pickle
-import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -50,7 +45,7 @@ import numpy as np
 import optax
 
 import mpx
-from mpx._src import finite, skip
+from mpx._src import form_switch
 from mpx._src.states import COMPRESSED_MOMENTS
 
 # MPX_LONG=1 selects thousands of steps and more seeds (see docs/guarantees.md).
@@ -252,16 +247,13 @@ def compiled_run(
   state followed by those after every step (leading axis ``steps + 1``).
 
   One per configuration and per form of the finite check (the
-  ``finite_check_form`` fixture switches it; a jitted function traced under
-  one form would keep it)."""
-  form = (finite._single_cpu_device(), skip.gpu_form_on_cpu())
-  return _compiled_run(stack, config, masters, moments, form)
+  ``finite_check_form`` fixture switches it with ``MPX_TEST_FORM``; a jitted
+  function traced under one form would keep it)."""
+  return _compiled_run(stack, config, masters, moments, form_switch.forced_form())
 
 
 @functools.cache
-def _compiled_run(
-  stack: str, config: ScaleConfig, masters: str, moments: str, form: tuple[bool, bool]
-):
+def _compiled_run(stack: str, config: ScaleConfig, masters: str, moments: str, form: str | None):
   del form  # a cache key only
   tx = make_tx(stack, config, masters=masters, moments=moments)
 
@@ -422,21 +414,3 @@ def resume_template(mode: str = "full"):
   params = resume_params(mode)
   tx = resume_tx(mode)
   return jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
-
-
-def _resume_main(mode: str, ckpt_root: str, out_file: str, steps: list[int]) -> None:
-  import orbax.checkpoint as ocp
-
-  checkpointer = ocp.StandardCheckpointer()
-  template = resume_template(mode)
-  results = {}
-  for k in steps:
-    restored = checkpointer.restore(os.path.join(ckpt_root, f"step_{k}"), template)
-    trajectory = resume_train(restored["params"], restored["opt_state"], k, RESUME_STEPS, mode)
-    results[k] = jax.device_get({"restored": restored, "trajectory": trajectory})
-  with open(out_file, "wb") as f:
-    pickle.dump(results, f)
-
-
-if __name__ == "__main__" and len(sys.argv) > 4 and sys.argv[1] == "resume":
-  _resume_main(sys.argv[2], sys.argv[3], sys.argv[4], [int(k) for k in sys.argv[5:]])

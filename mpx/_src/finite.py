@@ -1,36 +1,7 @@
 """``all_finite``: one on-device flag saying a tree holds no inf or NaN.
 
-The check runs on every step before any state is written, so its run time and
-its compile time are part of the step's. How it is computed follows from six
-measured facts about XLA (see docs/design.md):
-
-1. XLA:CPU never fuses an elementwise producer into a reduction:
-   ``isfinite(x).all()`` first writes a predicate per element (1 byte of
-   scratch per parameter), then reduces it. A float32 ``sum`` of a bfloat16,
-   float32 or float64 leaf is handed to a library kernel that reads the leaf
-   once, at full bandwidth, with no scratch.
-2. A sum is exact one way: inf and NaN propagate through addition, so a finite
-   sum proves every element finite. Only a non-finite sum is ambiguous (finite
-   values of a float32-range dtype may overflow), and only then, under a
-   ``lax.cond``, is the exact ``sum(x - x)`` computed: ``x - x`` is 0 for
-   every finite ``x`` and NaN for inf and NaN, so that sum never overflows.
-3. XLA:CPU copies float16 to float32 before a sum, so float16 (and narrower)
-   leaves are checked elementwise: large ones by AND-ing blocks of the leaf
-   and reducing only what is left (1/16 byte of scratch per parameter).
-4. Facts 1 to 3 are about a single CPU device. With several devices, and on
-   accelerators, every leaf is checked with the plain ``isfinite(x).all()``:
-   accelerators fuse it, and sums or blocks would add collectives across
-   shards.
-5. Per-leaf results are stacked behind an optimization barrier and tested in
-   one kernel. Without the barrier XLA fuses every per-leaf reduction into the
-   one fusion that combines them, and its fusion pass scans that fusion once
-   per reduction: compile time grew quadratically with the number of leaves
-   (minutes at a thousand).
-6. Compile time grows with the number of kernels, so leaves of one shape share
-   kernels, a few at a time: their values are added (or their ``isfinite``
-   AND-ed) elementwise before one reduction. Model trees repeat shapes from
-   layer to layer. The fast sums group small leaves only: for a large leaf a
-   single-input sum is faster.
+The check runs before any state is written, so its run and compile time are the
+step's. docs/design.md ("The check") gives the XLA facts behind each form.
 """
 
 from __future__ import annotations
@@ -42,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import skip
+from mpx._src import form_switch
 from mpx._src import tree as tree_lib
 
-# float16 leaves are folded _FOLD_WIDTH-fold, twice where that leaves _MIN_FOLD_SIZE (fact 3).
+# float16 leaves are folded _FOLD_WIDTH-fold, twice where that leaves _MIN_FOLD_SIZE.
 _FOLD_WIDTH = 16
 _MIN_FOLD_SIZE = _FOLD_WIDTH * 1024
-# Leaves below _SMALL elements share kernels, _GROUP of one shape at a time (fact 6).
+# Leaves below _SMALL elements share kernels, _GROUP of one shape at a time.
 _GROUP = 16
 _SMALL = 1 << 16
 
@@ -85,18 +56,20 @@ def all_finite(tree: tree_lib.PyTree) -> jax.Array:
   on_device = [x for x in leaves if not isinstance(x, (np.ndarray, np.generic, float))]
   if not _single_cpu_device():
     return _plain(on_device)
-  # Facts 1 to 3 hold where the check is lowered for XLA:CPU; a process with
-  # one CPU device may lower for another platform (ahead-of-time compilation).
+  # The single-CPU forms suit XLA:CPU alone; a process with one CPU device may
+  # lower for another platform (ahead-of-time compilation).
   return jax.lax.platform_dependent(on_device, cpu=_single_cpu, default=_plain)
 
 
 def _plain(leaves: list[jax.Array]) -> jax.Array:
-  """``isfinite(x).all()`` per leaf (fact 4)."""
+  """Returns the AND of ``isfinite(x).all()`` over the leaves: the form for
+  several devices and accelerators."""
   return _all([jnp.isfinite(x).all() for x in leaves])
 
 
 def _single_cpu(on_device: list[jax.Array]) -> jax.Array:
-  """Sums where they are exact, folded flags for narrow dtypes (facts 1 to 3)."""
+  """Returns the single-CPU form: sums where they prove finiteness, folded
+  flags for dtypes narrower than float32's range."""
   summed = [x for x in on_device if _float32_range(x)]
   finite = _all(_elementwise_flags([x for x in on_device if not _float32_range(x)]))
   if not summed:
@@ -110,7 +83,7 @@ def _single_cpu(on_device: list[jax.Array]) -> jax.Array:
 
 
 def _all(flags: list[jax.Array]) -> jax.Array:
-  """The AND of scalar flags, combined after a barrier (fact 5 above)."""
+  """Returns the AND of scalar flags, stacked behind an optimization barrier."""
   if not flags:
     return jnp.asarray(True)
   if len(flags) == 1:
@@ -119,8 +92,8 @@ def _all(flags: list[jax.Array]) -> jax.Array:
 
 
 def _all_finite_values(values: list[jax.Array]) -> jax.Array:
-  """Whether every scalar is finite: one isfinite over the stacked values
-  (a kernel for all, not one per leaf), stacked behind a barrier (fact 5)."""
+  """Returns whether every scalar is finite: one ``isfinite`` per dtype over
+  the values, stacked behind a barrier."""
   if len(values) <= 1:
     return _all([jnp.isfinite(v) for v in values])
   by_dtype: dict[Any, list[jax.Array]] = {}
@@ -132,14 +105,14 @@ def _all_finite_values(values: list[jax.Array]) -> jax.Array:
 
 
 def _float32_range(x: jax.Array) -> bool:
-  """bfloat16, float32, float64: summed (fact 1), though finite values can
-  overflow the sum (fact 2). Narrower dtypes are checked elementwise (fact 3)."""
+  """Returns whether ``x`` has float32's range or more (bfloat16, float32,
+  float64): such leaves are summed, the narrower ones checked elementwise."""
   return float(jnp.finfo(x.dtype).max) > 2.0**100
 
 
 def _groups(leaves: list[jax.Array], below: int | None) -> list[list[jax.Array]]:
-  """Leaves in groups of up to ``_GROUP`` of one shape and dtype, if they have
-  fewer than ``below`` elements (any, for None); larger leaves alone."""
+  """Groups leaves of one shape and dtype, up to ``_GROUP`` a group, where they
+  have fewer than ``below`` elements (any, for None); larger leaves alone."""
   groups: list[list[jax.Array]] = []
   open_groups: dict[Any, list[jax.Array]] = {}
   for x in leaves:
@@ -158,8 +131,8 @@ def _groups(leaves: list[jax.Array], below: int | None) -> list[list[jax.Array]]
 def _sums(
   leaves: list[jax.Array], term: Callable[[jax.Array], jax.Array], below: int | None
 ) -> list[jax.Array]:
-  """Per group, the sum of ``term(x)`` added elementwise over the group's
-  leaves, in float32 (or a wider dtype). Non-finite terms make it non-finite."""
+  """Returns per group the sum of ``term(x)`` added elementwise over the
+  group's leaves, in float32 or wider; a non-finite term makes it non-finite."""
   sums = []
   for group in _groups(leaves, below):
     dtype = jnp.promote_types(group[0].dtype, jnp.float32)
@@ -171,27 +144,23 @@ def _sums(
 
 
 def _elementwise_flags(leaves: list[jax.Array]) -> list[jax.Array]:
-  """One flag per group of leaves of one shape, of any size (fact 6): folding
-  keeps what is reduced at 1/_FOLD_WIDTH of the group's predicates."""
+  """Returns one flag per group of leaves of one shape, of any size."""
   return [_folded_finite(group) for group in _groups(leaves, None)]
 
 
 def _single_cpu_device() -> bool:
-  """Whether facts 1 to 3 above apply (see fact 4); not under the tests'
-  ``MPX_TEST_GPU_FORM`` switch (``skip.gpu_form_on_cpu``)."""
-  if skip.gpu_form_on_cpu():
-    return False
+  """Returns whether the single-CPU-device forms apply: as ``MPX_TEST_FORM``
+  says where the tests set it (``form_switch``), else on one CPU device."""
+  forced = form_switch.forced_form()
+  if forced is not None:
+    return forced == form_switch.ONE_CPU
   return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def _folded_finite(group: list[jax.Array]) -> jax.Array:
-  """``isfinite(x).all()`` for every leaf of a group of one shape.
-
-  ``_FOLD_WIDTH`` parts are AND-ed elementwise before anything is reduced: the
-  group's leaves, each cut into ``_FOLD_WIDTH // len(group)`` contiguous
-  blocks, so what is left to reduce is a 1/_FOLD_WIDTH of one leaf's
-  predicates (fact 3). A large leaf folds its result once more.
-  """
+  """Returns ``isfinite(x).all()`` over a group of leaves of one shape, AND-ing
+  ``_FOLD_WIDTH`` blocks of the group's leaves elementwise before reducing
+  (twice for a large leaf)."""
   flats = [jnp.reshape(x, -1) for x in group]
   blocks = max(1, _FOLD_WIDTH // len(flats))
   block = flats[0].size // blocks
@@ -212,11 +181,12 @@ def _folded_finite(group: list[jax.Array]) -> jax.Array:
 
 
 def _blocks(flat: jax.Array, block: int) -> list[jax.Array]:
-  """The first ``_FOLD_WIDTH`` consecutive blocks of ``block`` elements."""
+  """Returns the first ``_FOLD_WIDTH`` consecutive blocks of ``block`` elements."""
   return [flat[i * block : (i + 1) * block] for i in range(_FOLD_WIDTH)]
 
 
 def _and_of_blocks(parts: list[jax.Array]) -> jax.Array:
+  """Returns the elementwise AND of ``parts``."""
   result = parts[0]
   for part in parts[1:]:
     result = result & part

@@ -1,0 +1,1 @@
+"""Command-line helpers of the tests and the README, run as scripts (CONTRIBUTING.md)."""
