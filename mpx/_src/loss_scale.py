@@ -1,14 +1,7 @@
 """``loss_scale``: dynamic (or static) loss scaling with step skipping.
 
-One step, top to bottom (see docs/design.md): the verdict (every gradient
-finite as the inner rule receives it, agreed across ``axis_name``; see
-:mod:`mpx._src.verdict` for who computes it), the inner rule run on the
-unscaled gradients only if it holds, then the scale moved by
-:meth:`ScaleRule.adjust` on that verdict. The scale, its growth tracker and the skip counters
-live in the optimizer state, so the whole rule is pure, jit-compiled and
-host-sync free. The configuration (factors, interval, floor, cap) lives in the
-transformation, not in the state: it cannot be lost by ``jit``, ``tree_map``
-or a checkpoint.
+The scale and its counters live in the state; the settings in
+:class:`ScaleRule`, the pure rule that moves the scale (docs/design.md).
 """
 
 from __future__ import annotations
@@ -96,7 +89,7 @@ class ScaleRule:
 
   @classmethod
   def static(cls, scale: float) -> ScaleRule:
-    """A scale that never moves (factors 1, floor and cap at ``scale``)."""
+    """Makes a rule whose scale never moves (factors 1, floor and cap at ``scale``)."""
     scale = _scale("scale", scale)
     return cls(scale, 1.0, 1.0, 1, scale, scale, 1)
 
@@ -139,7 +132,7 @@ class ScaleRule:
     )
 
   def adjust(self, state: LossScaleState, finite: jax.Array) -> LossScaleState:
-    """The counters and scale after a step whose gradients were ``finite``.
+    """Returns the counters and scale after a step whose gradients were ``finite``.
 
     A finite step counts towards growth; the ``growth_interval``-th in a row
     multiplies the scale by ``growth_factor`` (capped at ``max_scale``) and
@@ -212,14 +205,14 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def _inverse(scale: jax.Array) -> jax.Array:
-  """``1 / scale`` in float32: unscaling multiplies by it (exact for powers of two)."""
+  """Returns ``1 / scale`` in float32, which unscaling multiplies by (exact for powers of two)."""
   return (1.0 / scale).astype(jnp.float32)
 
 
 def _loss_scaling(
   inner: optax.GradientTransformation, rule: ScaleRule, axis_name: Any
 ) -> optax.GradientTransformationExtraArgs:
-  """The transformation behind :func:`loss_scale` and :func:`static_loss_scale`."""
+  """Builds the transformation behind :func:`loss_scale` and :func:`static_loss_scale`."""
   validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
   # Decided once, here: only a transformation given directly as `inner` that
@@ -242,20 +235,20 @@ def _loss_scaling(
     unscaling = verdict.Unscaling(_inverse(state.loss_scale), rule.min_scale >= 1.0, axis_name)
     # L-BFGS's value= and grad= come from the scaled loss, like the gradients:
     # unscaled here, so its line search compares them with value_fn's loss.
-    extra_args = {
-      name: _unscale_all(value, unscaling) if name in ("value", "grad") else value
+    unscaled_extra = {
+      name: _unscale_all(value, unscaling) if name in verdict.EXTRA_ARGS_FROM_THE_LOSS else value
       for name, value in extra_args.items()
     }
     if hands_over:
-      # The mixed_precision unscales inside its cond, computes the verdict and
-      # counts a skip in its state: read back here, it moves the scale.
+      # The mixed_precision computes the verdict and counts a skip in the
+      # state it was handed: read back here, it moves the scale.
       new_updates, new_inner = inner.update(
-        updates, state.inner_state, params, unscaling=unscaling, **extra_args
+        updates, state.inner_state, params, unscaling=unscaling, **unscaled_extra
       )
-      finite = verdict.recorded(state.inner_state, new_inner)
+      finite = jnp.equal(new_inner.nonfinite_steps, state.inner_state.nonfinite_steps)
     else:
       new_updates, new_inner, finite = _general_step(
-        inner, state.inner_state, updates, params, unscaling, extra_args
+        inner, state.inner_state, updates, params, unscaling, unscaled_extra
       )
     return new_updates, rule.adjust(state, finite)._replace(inner_state=new_inner)
 
@@ -270,7 +263,7 @@ def _general_step(
   unscaling: verdict.Unscaling,
   extra_args: dict[str, Any],
 ) -> tuple[Any, Any, jax.Array]:
-  """``loss_scale`` around anything but a ``mixed_precision`` given directly:
+  """Runs ``loss_scale`` around anything but a ``mixed_precision`` given directly:
   ``(updates, inner_state, finite)``. The verdict is taken on the gradients
   before ``inner`` runs, inside one ``lax.cond``; a ``mixed_precision`` deeper
   inside may still skip (a rule in front of it made an inf), and then the
@@ -283,7 +276,7 @@ def _general_step(
     validation.check_state_like("loss_scale", inner_state, expected, "inner_state/")
   flat = jax.tree.leaves(grads)
   finite = verdict.gradients_finite(flat, [None] * len(flat), unscaling)
-  rolls_back = verdict.has_recorder(inner_state)
+  rolls_back = verdict.holds_mixed_precision(inner_state)
 
   def step(inner_state, grads, params):
     # Unscaled inside the cond, so the float32 copy fuses into the update.
@@ -292,41 +285,41 @@ def _general_step(
     validation.check_state_types_kept("loss_scale", new_inner, inner_state)
     if not rolls_back:
       return new_inner, (updates, jnp.asarray(True))
-    applied = verdict.agreed(verdict.recorded(inner_state, new_inner), unscaling.axis_name)
+    applied = verdict.agreed(verdict.no_skip_counted(inner_state, new_inner), unscaling.axis_name)
     new_inner = _roll_back_unless(applied, new_inner, inner_state, unscaling.axis_name)
     return new_inner, (updates, applied)
 
-  new_inner, (updates, inner_applied), _ = skip.apply_if_finite(
+  new_inner, (updates, inner_applied), _ = skip.run_if_finite(
     finite, step, inner_state, grads, params
   )
   if per_example:  # the inner rule must have reduced the leading axes
     validation.check_updates_reduced("loss_scale", updates, params)
   if rolls_back:  # zeroed after the cond, where the select fuses into the apply
-    updates = jax.tree.map(lambda u: _select(inner_applied, u, jnp.zeros_like(u)), updates)
+    updates = jax.tree.map(lambda u: _select_leaf(inner_applied, u, jnp.zeros_like(u)), updates)
   return updates, new_inner, jnp.logical_and(finite, inner_applied)
 
 
 def _roll_back_unless(applied: jax.Array, new_inner: Any, old_inner: Any, axis_name: Any) -> Any:
-  """``new_inner`` where ``applied``, else ``old_inner``, selected leaf by
+  """Returns ``new_inner`` where ``applied``, else ``old_inner``, selected leaf by
   leaf. A ``mixed_precision`` state that skipped on its own is already its old
   self (its skip counted), so on one device its leaves are kept as they are
   and only the rest is selected: no copy of the masters and their moments.
   With ``axis_name`` another replica's ``mixed_precision`` may have applied
   what this one skipped, so every leaf is selected."""
   if axis_name is not None:
-    return jax.tree.map(lambda new, old: _select(applied, new, old), new_inner, old_inner)
+    return jax.tree.map(lambda new, old: _select_leaf(applied, new, old), new_inner, old_inner)
 
   def leaf(new: Any, old: Any) -> Any:
     if isinstance(new, MIXED_PRECISION_STATES):
       return new
-    return jax.tree.map(lambda n, o: _select(applied, n, o), new, old)
+    return jax.tree.map(lambda n, o: _select_leaf(applied, n, o), new, old)
 
   is_mp = lambda x: isinstance(x, MIXED_PRECISION_STATES)  # noqa: E731
   return jax.tree.map(leaf, new_inner, old_inner, is_leaf=is_mp)
 
 
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  """``on_true`` where the scalar ``pred`` holds, else ``on_false``."""
+def _select_leaf(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """Returns ``on_true`` where the scalar ``pred`` holds, else ``on_false``."""
   if not isinstance(on_true, jax.Array | np.ndarray) or not jnp.issubdtype(
     on_true.dtype, jnp.number
   ):
@@ -335,7 +328,7 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 
 def _unscale_all(tree: Any, unscaling: verdict.Unscaling) -> Any:
-  """The floating leaves of ``tree`` unscaled (in the wider of their dtype
+  """Unscales the floating leaves of ``tree`` (in the wider of their dtype
   and float32); the others as they are."""
   return jax.tree.map(lambda leaf: verdict.received(leaf, None, unscaling), tree)
 
@@ -352,39 +345,17 @@ def loss_scale(
   hysteresis: int = 1,
   axis_name: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Dynamic loss scaling with non-finite step skipping around ``inner``.
+  """Wraps ``inner`` in dynamic loss scaling that skips non-finite steps.
 
-  Multiply the loss by the current scale before differentiating
-  (:func:`mpx.scale_loss`) and pass the scaled gradients, of any float dtype,
-  to ``update``. Each step follows PyTorch's ``GradScaler`` rule, with no host
-  sync:
-
-  1. The gradients are unscaled with the scale the loss was multiplied by, in
-     the wider of their dtype and float32: ``inner`` sees true values.
-  2. The step's verdict: every gradient finite as ``inner`` receives it (a
-     ``mixed_precision`` given directly as ``inner`` computes it, cast to its
-     master dtype included), agreed across ``axis_name``. A
-     ``mixed_precision`` deeper inside that still meets inf or NaN (made by a
-     rule in front of it) rolls the whole step back.
-  3. Applied: the growth tracker counts the step; the ``growth_interval``-th
-     in a row multiplies the scale by ``growth_factor`` (capped at
-     ``max_scale``). Skipped: zero updates, the inner state bitwise unchanged
-     (counts and schedules do not advance), ``skipped_steps`` counts it, and
-     once ``hysteresis`` have come in a row the scale becomes
-     ``max(scale * backoff_factor, min_scale)``.
-
-  The default scale ``2**15`` is the largest power of two that does not
-  overflow fp16 for a gradient of 1. Extra keyword arguments reach ``inner``;
-  ``value`` and ``grad`` (``optax.lbfgs``'s) come from the scaled loss and
-  are unscaled first. Corner cases: docs/guarantees.md.
-
-  To accumulate micro-batches, put ``loss_scale`` outside
-  ``optax.MultiSteps``: ``loss_scale(optax.MultiSteps(mixed_precision(rule),
-  k))`` skips an overflowing micro-batch alone. Not
-  ``optax.MultiSteps(loss_scale(...), k)``: there an inf enters the
-  accumulator, optax's reset ``(1 - emit) * acc`` makes it NaN, and every
-  later step is skipped (docs/howto.md, "Accumulate gradients over
-  micro-batches").
+  Multiply the loss by the scale (:func:`mpx.scale_loss`) and pass the scaled
+  gradients to ``update``. They are unscaled in the wider of their dtype and
+  float32; the step is applied only if every gradient is finite as ``inner``
+  receives it (agreed across ``axis_name``), else the updates are zero and the
+  inner state is unchanged. The scale grows by ``growth_factor`` after
+  ``growth_interval`` applied steps in a row and backs off by
+  ``backoff_factor`` after ``hysteresis`` skipped ones, as PyTorch's
+  ``GradScaler`` does, with no host sync. Put it outside ``optax.MultiSteps``;
+  the step and its corner cases: docs/design.md, docs/guarantees.md.
 
   Args:
     inner: the rule to feed the unscaled gradients, typically
@@ -394,17 +365,15 @@ def loss_scale(
     backoff_factor: factor in (0, 1) applied on overflow.
     growth_interval: number (>= 1) of consecutive finite steps before growth.
     min_scale: floor of the scale, at least ``2**-126``.
-    max_scale: cap of the scale, at most ``2**126`` (beyond, its reciprocal
-      is subnormal and XLA would flush the unscaled gradients to zero).
+    max_scale: cap of the scale, at most ``2**126``.
     hysteresis: number (>= 1) of consecutive non-finite steps before the
-      scale backs off (Megatron's option; every such step is skipped anyway).
-    axis_name: optional mapped axis name (or tuple of names) to agree on the
-      finite decision across devices.
+      scale backs off.
+    axis_name: mapped axis name(s) to agree on the verdict across devices.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`LossScaleState`; extra keyword arguments are forwarded to
-    ``inner``.
+    :class:`LossScaleState`; extra keyword arguments (``optax.lbfgs``'s
+    ``value`` and ``grad`` unscaled) are forwarded to ``inner``.
 
   Raises:
     ValueError: for an invalid setting, naming the argument.
@@ -441,7 +410,7 @@ def static_loss_scale(
   *,
   axis_name: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """A fixed loss scale, still skipping non-finite steps.
+  """Wraps ``inner`` in a fixed loss scale, still skipping non-finite steps.
 
   Like :func:`loss_scale` with a scale that never changes: gradients are
   unscaled in float32 and a step with inf or NaN is skipped (and counted in
@@ -468,7 +437,7 @@ def static_loss_scale(
 
 
 def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
-  """The current loss scale in ``opt_state`` as a float32 scalar (1.0 if none).
+  """Returns the current loss scale in ``opt_state`` as a float32 scalar (1.0 if none).
 
   The :class:`LossScaleState` is found at any depth (chain, ``MultiSteps``,
   ``inject_hyperparams``, ``partition``).

@@ -1,28 +1,13 @@
 """``mixed_precision``: high-precision master weights inside the optimizer state.
 
-The wrapped (inner) optax rule never sees a low-precision number: it is
-initialised and updated on the *master view* of the parameters (the master of
-every floating leaf narrower than ``dtype``, the parameter itself elsewhere).
-Each parameter leaf has a storage kind (:mod:`mpx._src.storage`), a whole
-strategy for what is stored, what the inner rule sees, what a step writes and
-which update moves the parameter; this module runs one step over all leaves
-without asking which kinds they are.
-
-One step, top to bottom (docs/design.md draws it):
-
-1. validate the inputs and line up gradients, params and what is stored,
-   leaf by leaf (at trace time);
-2. the verdict: every gradient finite as the inner rule will receive it;
-3. inside one ``lax.cond`` on the verdict: receive the gradients (unscale,
-   cast), run the inner rule on the master view, and commit each leaf's new
-   master; on a skipped step nothing is written;
-4. after the cond: each param's update, which fuses into
-   ``optax.apply_updates``, and the state with the step counted.
+``update`` is the four steps docs/design.md draws; each leaf's storage kind
+(:mod:`mpx._src.storage`) answers what depends on the mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,77 +43,35 @@ def mixed_precision(
 ) -> verdict.TakesLossScaledGradients:
   """Keeps ``dtype`` master weights and runs ``inner`` on them.
 
-  Every floating parameter narrower than ``dtype`` (bf16, fp16, fp8 under the
-  default float32) has a master in the optimizer state; wider or equal leaves
-  are updated in place and never cast, and non-floating leaves are left alone.
-  ``inner`` is initialised and updated on the master view, so its whole state
-  is in ``dtype``. ``update`` runs ``inner`` on the gradients cast to
-  ``dtype``, applies its updates to the masters, and returns updates with
-  which ``optax.apply_updates`` lands each low-precision param exactly on its
-  new master's rounding.
-
-  How masters are stored (``masters``; docs/concepts_masters.md):
-
-  - ``"full"``: a ``dtype`` copy, 4 bytes per parameter for float32.
-  - ``"remainder"``: bfloat16 params under float32 masters only; the low 16
-    bits of each master (2 bytes per parameter), bitwise the master ``"full"``
-    keeps.
-  - ``"stochastic"``: bfloat16 params under float32 masters only; no master:
-    the param is updated in float32 and rounded at random (unbiased), with
-    bits from ``seed``, the element's position and the count of applied steps.
-
-  A bfloat16 param under float32 masters is its master rounded to nearest,
-  ties away from zero; any other is rounded to nearest even. Both saturate.
-
-  How the inner rule's moments are stored (``moments``, float32 masters
-  only; docs/concepts_masters.md), for every leaf of at least 4096 elements
-  under a field named in ``moment_fields`` (Adam's ``mu`` and ``nu``,
-  momentum's ``trace``):
-
-  - ``"full"``: as the rule makes them (4 bytes per element).
-  - ``"bfloat16"``: 2 bytes per element.
-  - ``"8bit"``: a byte per element plus a float32 scale per block of at most
-    256 along the last axis (about 1.02 bytes); second moments (``nu``) in a
-    code that never turns a positive value into zero. A leaf whose last axis
-    is shorter than 16 is stored in bfloat16.
-
-  Both round stochastically (unbiased), with bits from ``seed`` and the count
-  of applied steps. The rule still runs in float32 on the decompressed
-  moments; :func:`mpx.inner_state` gives its state back in float32.
-
-  A step is skipped when a gradient, as ``inner`` would receive it (unscaled
-  and cast to ``dtype``), holds inf or NaN: zero updates, the masters and the
-  inner state bitwise unchanged, and ``nonfinite_steps`` counts it. Under
-  :func:`mpx.loss_scale`, which hands over the raw scaled gradients, that is
-  the step's one verdict, agreed across its ``axis_name``.
-
-  ``mixed_precision`` must wrap the whole rule: a rule chained after it would
-  move the params where the masters never go (refused where the state shows
-  it). Corner cases: docs/guarantees.md.
+  Every floating param narrower than ``dtype`` has a master in the state; the
+  inner rule is initialised and updated on the masters (other leaves as they
+  are), and the returned updates land each param on its new master's
+  rounding. A step whose gradients, as ``inner`` receives them, hold inf or
+  NaN is skipped: zero updates, the state unchanged but ``nonfinite_steps``.
+  ``mixed_precision`` must wrap the whole rule. The modes, their bytes and
+  corner cases: docs/concepts_masters.md, docs/guarantees.md.
 
   Args:
     inner: the optax rule to run in high precision, e.g. ``optax.adamw(3e-4)``.
     dtype: the floating dtype of the masters and of the inner rule.
-    masters: ``"full"``, ``"remainder"`` or ``"stochastic"``.
-    moments: ``"full"``, ``"bfloat16"`` or ``"8bit"``.
-    moment_fields: the names of the state fields whose leaves ``moments``
-      compresses. A sequence takes ``nu`` and ``nu_max`` as second moments
-      (non-negative) and other names as signed; a mapping names each one's
-      kind, e.g. ``{"m": "signed", "v": "signed", "n": "nonnegative"}`` for
-      ``optax.adan``.
-    seed: the seed of the random bits of ``"stochastic"`` masters and of
-      compressed moments (an integer).
+    masters: ``"full"`` (a ``dtype`` copy), or for bfloat16 params under
+      float32 masters ``"remainder"`` (its low 16 bits) or ``"stochastic"``
+      (no master; stochastic rounding).
+    moments: ``"full"``, ``"bfloat16"`` or ``"8bit"``: how the inner state's
+      leaves under ``moment_fields`` of at least 4096 elements are stored.
+    moment_fields: the state fields ``moments`` compresses: a sequence (``nu``
+      and ``nu_max`` non-negative, others signed) or a mapping to
+      ``"signed"``/``"nonnegative"``, e.g. for ``optax.adan``.
+    seed: the seed of the random bits of stochastic rounding (an integer).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`~mpx.MixedPrecisionState`, ``MixedPrecisionRemainderState`` or
-    ``MixedPrecisionStochasticState``. ``update`` requires ``params`` and
-    forwards extra keyword arguments to ``inner``.
+    :class:`~mpx.MixedPrecisionState` (or its remainder or stochastic
+    variant). ``update`` requires ``params`` and forwards extra arguments.
 
   Raises:
-    ValueError: for a non-floating ``dtype``, an unknown ``masters``, a
-      compact mode with masters other than float32, or (at ``init``) a compact
-      mode meeting a narrow param other than bfloat16, naming the leaf.
+    ValueError: for a bad ``dtype``, ``masters``, ``moments`` or ``seed``, or
+      (at ``init``) a param a compact mode cannot hold, naming the leaf.
     TypeError: if ``inner`` is not a gradient transformation.
 
   Example:
@@ -167,14 +110,17 @@ def mixed_precision(
     _refuse_loss_scale_inside(inner_state)
     moments_format.check_fields_exist(inner_state)
     # Two arrays, not one: a step that donates the state donates each buffer once.
-    applied, nonfinite = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    applied_steps, nonfinite_steps = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     flat_inner, inner_treedef = _flatten_leaves(inner_state)
     stored_inner = [
-      kind.compress(value, applied)
+      kind.compress(value, applied_steps)
       for kind, value in zip(moments_format.kinds(inner_state), flat_inner, strict=True)
     ]
     state = mode.state(
-      treedef.unflatten(stored), applied, nonfinite, inner_treedef.unflatten(stored_inner)
+      treedef.unflatten(stored),
+      applied_steps,
+      nonfinite_steps,
+      inner_treedef.unflatten(stored_inner),
     )
     return variables.fit_variables(state)
 
@@ -186,88 +132,123 @@ def mixed_precision(
     unscaling: verdict.Unscaling | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, Any]:
-    # 1. Validate and line up the leaves (at trace time: costs the step nothing).
-    if params is None:
-      raise ValueError(
-        "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
-      )
-    validation.check_state_type("mixed_precision", state, mode.state_type)
-    leaves = _Leaves.align(mode, dtype, updates, params, mode.stored(state))
-    if unscaling is None:  # no loss_scale to agree the verdict across devices
-      validation.check_own_verdict_agrees("mixed_precision", updates, state.applied_steps)
-    inner_like = jax.eval_shape(inner.init, leaves.tree(leaves.master_shapes()))
-    inner_kinds = moments_format.kinds(inner_like)
-    inner_flat_like, inner_treedef = _flatten_leaves(inner_like)
-    stored_like = [k.stored_like(x) for k, x in zip(inner_kinds, inner_flat_like, strict=True)]
-    validation.check_state_like(
-      "mixed_precision", state.inner_state, inner_treedef.unflatten(stored_like), "inner_state/"
+    # 1. Validate the inputs and line them up leaf by leaf (at trace time).
+    leaves, inner_layout = _checked_leaves(
+      inner, mode, dtype, moments_format, updates, state, params, unscaling
     )
     # 2. The verdict, on each gradient as the inner rule will receive it.
-    received_dtypes = [kind.master_dtype for kind in leaves.grad_kinds]
-    finite = verdict.gradients_finite(leaves.grads, received_dtypes, unscaling)
-
-    # 3. The step on the masters, inside one cond: skipped, nothing is written.
-    def apply(carry: tuple[list[Any], list[Any]], grads: list[Any]) -> tuple[Any, list[Any]]:
-      stored, stored_inner = carry
-      inner_state = inner_treedef.unflatten(
-        [k.decompress(s) for k, s in zip(inner_kinds, stored_inner, strict=True)]
-      )
-      grads = [
-        verdict.received(g, d, unscaling) for g, d in zip(grads, received_dtypes, strict=True)
-      ]
-      masters = leaves.masters(stored)
-      extra = {k: _received_like_grads(v, leaves) for k, v in extra_args.items()}
-      inner_updates, new_inner = inner.update(
-        leaves.grad_tree(grads), inner_state, leaves.tree(masters), **extra
-      )
-      # Per-example gradients (DP-SGD) pass validation only if reduced here.
-      validation.check_updates_reduced("mixed_precision", inner_updates, leaves.tree(masters))
-      validation.check_state_types_kept("mixed_precision", new_inner, inner_state)
-      committed = [
-        kind.commit(master, update, s, param, state.applied_steps)
-        for kind, master, update, s, param in zip(
-          leaves.kinds,
-          masters,
-          leaves.treedef.flatten_up_to(inner_updates),
-          stored,
-          leaves.params,
-          strict=True,
-        )
-      ]
-      new_stored = [s for s, _ in committed]
-      handed_out = [out for _, out in committed]  # what each leaf's param_update reads
-      new_inner_flat = inner_treedef.flatten_up_to(new_inner)
-      count = state.applied_steps
-      if jax.device_count() == 1 and any(k.compressed for k in inner_kinds):
-        kept = [v for v, k in zip(new_inner_flat, inner_kinds, strict=True) if not k.compressed]
-        # An XLA:CPU ordering (see _after); other platforms order the writes themselves.
-        zero = jax.lax.platform_dependent(
-          new_stored + handed_out + kept, cpu=_after, default=lambda _: jnp.zeros((), jnp.int32)
-        )
-        count = count + zero
-      new_stored_inner = [
-        kind.compress(value, count) for kind, value in zip(inner_kinds, new_inner_flat, strict=True)
-      ]
-      return (new_stored, new_stored_inner), handed_out
-
-    stored_inner, _ = moments_lib.flatten_stored(state.inner_state)
-    (stored, new_stored_inner), handed_out, applied = skip.apply_if_finite(
-      finite, apply, (leaves.stored, stored_inner), leaves.grads
+    finite = verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling)
+    # 3. The step on the masters; on a skipped step nothing is written.
+    step = functools.partial(
+      _step_on_masters, inner, leaves, inner_layout, unscaling, state.applied_steps, extra_args
     )
-    # 4. The param updates, after the cond: they fuse into optax.apply_updates.
+    stored_inner, _ = moments_lib.flatten_stored(state.inner_state)
+    (new_stored, new_stored_inner), handoffs, applied = skip.run_if_finite(
+      finite, step, (leaves.stored, stored_inner), leaves.grads
+    )
+    # 4. After the skip: the param updates (they fuse into optax.apply_updates).
     param_updates = [
-      kind.param_update(s, out, param, applied)
-      for kind, s, out, param in zip(leaves.kinds, stored, handed_out, leaves.params, strict=True)
+      kind.param_update(stored, handoff, param, applied)
+      for kind, stored, handoff, param in zip(
+        leaves.kinds, new_stored, handoffs, leaves.params, strict=True
+      )
     ]
     new_state = mode.state(
-      leaves.treedef.unflatten(stored),
+      leaves.tree(new_stored),
       state.applied_steps + applied.astype(jnp.int32),
       state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32),
-      inner_treedef.unflatten(new_stored_inner),
+      inner_layout.tree(new_stored_inner),
     )
     return leaves.tree(param_updates), new_state
 
   return verdict.TakesLossScaledGradients(init_fn, update_fn)
+
+
+def _checked_leaves(
+  inner: optax.GradientTransformationExtraArgs,
+  mode: storage.Mode,
+  dtype: Any,
+  moments_format: moments_lib.MomentsFormat,
+  grads: Any,
+  state: Any,
+  params: Any,
+  unscaling: verdict.Unscaling | None,
+) -> tuple[_Leaves, _InnerLayout]:
+  """Checks one step's inputs against each other and lines them up leaf by
+  leaf; raises a ValueError naming the leaf and the fix."""
+  if params is None:
+    raise ValueError(
+      "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
+    )
+  validation.check_state_type("mixed_precision", state, mode.state_type)
+  leaves = _Leaves.align(mode, dtype, grads, params, mode.stored(state))
+  if unscaling is None:  # no loss_scale to agree the verdict across devices
+    validation.check_own_verdict_agrees("mixed_precision", grads, state.applied_steps)
+  inner_like = jax.eval_shape(inner.init, leaves.tree(leaves.master_shapes()))
+  inner_flat_like, inner_treedef = _flatten_leaves(inner_like)
+  inner_layout = _InnerLayout(moments_format.kinds(inner_like), inner_treedef)
+  stored_like = [
+    kind.stored_like(x) for kind, x in zip(inner_layout.kinds, inner_flat_like, strict=True)
+  ]
+  validation.check_state_like(
+    "mixed_precision", state.inner_state, inner_layout.tree(stored_like), "inner_state/"
+  )
+  return leaves, inner_layout
+
+
+def _step_on_masters(
+  inner: optax.GradientTransformationExtraArgs,
+  leaves: _Leaves,
+  inner_layout: _InnerLayout,
+  unscaling: verdict.Unscaling | None,
+  applied_steps: jax.Array,
+  extra_args: dict[str, Any],
+  stored_state: tuple[list[Any], list[Any]],
+  grads: list[Any],
+) -> tuple[tuple[list[Any], list[Any]], list[Any]]:
+  """Runs the inner rule on the master view and commits each leaf.
+
+  Returns ``((new_stored, new_stored_inner), handoffs)``: what the state
+  stores next, and what each leaf's ``param_update`` reads after the skip.
+  """
+  stored, stored_inner = stored_state
+  inner_state = inner_layout.tree(
+    [kind.decompress(s) for kind, s in zip(inner_layout.kinds, stored_inner, strict=True)]
+  )
+  received = [
+    verdict.received(g, d, unscaling) for g, d in zip(grads, leaves.received_dtypes, strict=True)
+  ]
+  masters = leaves.masters(stored)
+  received_extra = {
+    name: _received_like_grads(v, leaves) if name == verdict.EXTRA_GRADIENT_ARG else v
+    for name, v in extra_args.items()
+  }
+  inner_updates, new_inner = inner.update(
+    leaves.grad_tree(received), inner_state, leaves.tree(masters), **received_extra
+  )
+  # Per-example gradients (DP-SGD) pass validation only if reduced here.
+  validation.check_updates_reduced("mixed_precision", inner_updates, leaves.tree(masters))
+  validation.check_state_types_kept("mixed_precision", new_inner, inner_state)
+  committed = [
+    kind.commit(master, update, s, param, applied_steps)
+    for kind, master, update, s, param in zip(
+      leaves.kinds,
+      masters,
+      leaves.treedef.flatten_up_to(inner_updates),
+      stored,
+      leaves.params,
+      strict=True,
+    )
+  ]
+  new_stored = [s for s, _ in committed]
+  handoffs = [handoff for _, handoff in committed]
+  new_inner_flat = inner_layout.treedef.flatten_up_to(new_inner)
+  moments_step = _moments_step(applied_steps, inner_layout, new_stored + handoffs, new_inner_flat)
+  new_stored_inner = [
+    kind.compress(value, moments_step)
+    for kind, value in zip(inner_layout.kinds, new_inner_flat, strict=True)
+  ]
+  return (new_stored, new_stored_inner), handoffs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,12 +259,12 @@ class _Leaves:
   or ``optax.lookahead``'s fast weights), with their kinds."""
 
   treedef: Any
-  kinds: list[Any]
+  kinds: list[storage.StorageKind]
   params: list[Any]
   stored: list[Any]
   grads: list[Any]
   grad_treedef: Any
-  grad_kinds: list[Any]
+  grad_kinds: list[storage.StorageKind]
   grad_params: list[Any]
 
   @classmethod
@@ -315,20 +296,36 @@ class _Leaves:
   def grad_tree(self, flat: list[Any]) -> Any:
     return self.grad_treedef.unflatten(flat)
 
+  @property
+  def received_dtypes(self) -> list[Any]:
+    """Returns the dtype each gradient is received in (None: as it is)."""
+    return [kind.master_dtype for kind in self.grad_kinds]
+
   def masters(self, stored: list[Any]) -> list[Any]:
-    """The master view, leaf by leaf: what the inner rule sees."""
+    """Returns the master view, leaf by leaf: what the inner rule sees."""
     return [k.view(s, p) for k, s, p in zip(self.kinds, stored, self.params, strict=True)]
 
   def master_shapes(self) -> list[Any]:
-    """The master view's shapes and dtypes, without computing it."""
+    """Returns the master view's shapes and dtypes, without computing it."""
     return [
       p if k.master_dtype is None else jax.ShapeDtypeStruct(np.shape(p), k.master_dtype)
       for k, p in zip(self.kinds, self.params, strict=True)
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _InnerLayout:
+  """The inner state's treedef, and the moment kind of each of its leaves."""
+
+  kinds: list[moments_lib.MomentKind]
+  treedef: Any
+
+  def tree(self, flat: list[Any]) -> Any:
+    return self.treedef.unflatten(flat)
+
+
 def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
-  """``(paths, leaves, treedef)`` with ``optax.MaskedNode`` as a leaf (the
+  """Returns ``(paths, leaves, treedef)`` with ``optax.MaskedNode`` as a leaf (the
   holes ``optax.partition`` and ``masked`` leave), paths as ``"a/b/0"``."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_lib.no_master)
   paths = [tree_lib.path_str(path) or "<root>" for path, _ in flat]
@@ -336,7 +333,7 @@ def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
 
 
 def _flatten_leaves(tree: Any) -> tuple[list[Any], Any]:
-  """``jax.tree.flatten``, typed for the treedef's methods."""
+  """Flattens ``tree`` as ``jax.tree.flatten``, typed for the treedef's methods."""
   flat, treedef = jax.tree.flatten(tree)
   return flat, treedef
 
@@ -347,10 +344,10 @@ def _check_stored(
   stored: Any,
   paths: list[str],
   params: list[Any],
-  kinds: list[Any],
+  kinds: list[storage.StorageKind],
   treedef: Any,
 ) -> list[Any]:
-  """What is stored, flat, after checking it leaf by leaf against what each
+  """Returns what is stored, flat, after checking it leaf by leaf against what each
   param's kind would store for it at init."""
   stored_flat, stored_def = jax.tree.flatten(stored, is_leaf=tree_lib.no_master)
   if stored_def != treedef:
@@ -363,22 +360,31 @@ def _check_stored(
   return stored_flat
 
 
-def _after(others: list[Any]) -> jax.Array:
-  """Zero, computed from one element of each of the step's other outputs.
+def _moments_step(
+  applied_steps: jax.Array,
+  inner_layout: _InnerLayout,
+  outputs: list[Any],
+  new_inner_flat: list[Any],
+) -> jax.Array:
+  """Returns the step whose random bits compress the moments: ``applied_steps``,
+  plus (XLA:CPU, one device) a zero that orders their writes (``_after``)."""
+  if jax.device_count() > 1 or not any(kind.compressed for kind in inner_layout.kinds):
+    return applied_steps  # an element of a sharded output would be all-gathered
+  uncompressed = [
+    v for v, kind in zip(new_inner_flat, inner_layout.kinds, strict=True) if not kind.compressed
+  ]
+  zero = jax.lax.platform_dependent(
+    outputs + uncompressed, cpu=_after, default=lambda _: jnp.zeros((), jnp.int32)
+  )
+  return applied_steps + zero
 
-  Each compressed moment is written over its old value (the cond's output
-  aliases its input), which every kernel that recomputes the new moment
-  reads too. XLA orders such a write after those reads only when it depends
-  on them; otherwise it writes a copy (bfloat16 moments: 8 bytes per
-  parameter more each step). Adding this to the count of the moments'
-  random bits makes their compression depend on every other output. It is
-  zero while they are not NaN (an applied step's never are, short of the
-  rule's own NaN), and costs a read of one element of each output as large
-  as a compressed leaf can be (smaller ones are not worth a kernel each: at
-  worst XLA copies a moment read by one of them). Only in a process
-  with one device: where the state may be sharded, an element of a sharded
-  output would be gathered across devices (XLA all-gathers the whole leaf
-  for it). An ``optimization_barrier`` instead leaves the copies in place.
+
+def _after(others: list[Any]) -> jax.Array:
+  """Returns zero, read from one element of each of the step's other outputs.
+
+  Added to the moments' step, it orders each compressed moment's in-place
+  write after the kernels that read the old moment, which XLA:CPU would
+  otherwise meet with a copy (docs/design.md, the workaround table).
   """
   firsts = [
     jnp.ravel(x)[:1].astype(jnp.float32)
@@ -393,7 +399,7 @@ def _after(others: list[Any]) -> jax.Array:
 
 
 def _received_like_grads(value: Any, leaves: _Leaves) -> Any:
-  """An extra argument shaped like the gradients (L-BFGS's ``grad=``), with
+  """Receives an extra argument shaped like the gradients (L-BFGS's ``grad=``):
   each leaf received as its gradient is, so the inner rule never sees a
   low-precision number. Anything else passes as it is."""
   try:
@@ -448,7 +454,7 @@ def _refuse_loss_scale_inside(inner_state: Any) -> None:
 
 
 def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_lib.PyTree:
-  """The full-precision view of the model held by ``opt_state``.
+  """Returns the full-precision view of the model held by ``opt_state``.
 
   Returns ``params`` with every leaf that has a master in some
   ``mixed_precision`` state of ``opt_state`` (at any depth: chain,
@@ -478,14 +484,8 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
   states: list[Any] = state_search.find_states(opt_state, MIXED_PRECISION_STATES)
   for state in states:
     mode = storage.MODE_OF_STATE[type(state)]
-
-    def view(stored: Any, param: Any, mode: storage.Mode = mode) -> Any:
-      if tree_lib.no_master(stored):
-        return param
-      return mode.kind_of_stored(stored, param).view(stored, jnp.asarray(param))
-
     try:
-      result = jax.tree.map(view, mode.stored(state), result, is_leaf=tree_lib.no_master)
+      result = mode.map_stored(lambda kind, stored, param: kind.view(stored, param), state, result)
     except ValueError as error:
       raise ValueError(
         "master_params: params do not match the masters in opt_state: pass the params "
@@ -495,7 +495,7 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
 
 
 def inner_state(opt_state: optax.OptState) -> optax.OptState:
-  """The wrapped rule's state as plain optax would hold it.
+  """Returns the wrapped rule's state as plain optax would hold it.
 
   Finds the one :func:`mixed_precision` state in ``opt_state`` (at any depth:
   under ``loss_scale``, chain, ``MultiSteps``, ``inject_hyperparams``) and

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from mpx._src import compat
+from mpx._src import compat, form_switch
 
 
-def apply_if_finite(
+def run_if_finite(
   finite: jax.Array,
   step: Callable[..., tuple[Any, Any]],
   state: Any,
@@ -20,31 +19,23 @@ def apply_if_finite(
 ) -> tuple[Any, Any, jax.Array]:
   """Runs ``step(state, *args)`` where ``finite`` holds, else keeps ``state``.
 
-  The form is chosen by the platform the step is lowered for
-  (``jax.lax.platform_dependent``), not by the process's devices. XLA:CPU
-  runs a ``lax.cond`` in place and only the branch it takes, so a skipped
-  step costs the finite check alone. XLA:GPU runs a ``conditional`` by
-  copying the predicate to the host and waiting for the stream, so on every
-  other platform the step always runs and its results are selected with
-  ``jnp.where``: no host sync, one program of fused kernels, and the results
-  bitwise those of the cond (a select returns the chosen value's bits).
-  ``step`` is traced once for both forms.
+  A ``lax.cond`` where the step is lowered for XLA:CPU (it runs only the
+  branch taken), a select elsewhere (XLA:GPU would sync with the host for a
+  conditional); both give the same bits. docs/design.md, "Two platforms, one
+  step".
 
   Args:
     finite: scalar bool array.
-    step: ``step(state, *args) -> (new_state, outputs)``; ``new_state`` must
-      have the types of ``state``, which ``step`` checks with
-      :func:`validation.check_state_types_kept` to name the leaf of the inner
-      rule's state that changed.
+    step: ``step(state, *args) -> (new_state, outputs)``, keeping the types
+      of ``state``.
     state: what ``step`` updates; returned as it is on a skipped step.
     *args: further arguments of ``step``.
 
   Returns:
     ``(new_state, outputs, applied)``: ``step``'s results, or ``state`` and
-    zeros like ``outputs`` on a skipped step. ``applied`` equals ``finite``;
-    on CPUs it is an output of the cond: use it after the cond. XLA fuses a
-    computed predicate into each consumer, and with one consumer per
-    parameter leaf the fusion pass became quadratic in the number of leaves.
+    zero ``outputs`` on a skipped step. ``applied`` equals ``finite``; on
+    CPUs it is an output of the cond, so its uses after the cond do not each
+    fuse a copy of the predicate (quadratic in the leaves).
   """
   # One jitted function for both forms: the second call, with the same
   # shapes, hits jit's cache, so the step (the inner rule) is traced once.
@@ -61,10 +52,9 @@ def apply_if_finite(
 
 
 def gpu_form_on_cpu() -> bool:
-  """The tests' switch: ``MPX_TEST_GPU_FORM=1`` lowers the forms a GPU
-  program has (the select, ``all_finite``'s plain check) for the CPU too,
-  so the suites check what GPUs run against what CPUs run."""
-  return os.environ.get("MPX_TEST_GPU_FORM", "") not in ("", "0")
+  """Returns whether the tests' switch ``MPX_TEST_FORM=gpu`` asks for a GPU
+  program's forms (the select, ``all_finite``'s plain check) on the CPU too."""
+  return form_switch.forced_form() == form_switch.GPU
 
 
 def _by_cond(

@@ -1,36 +1,15 @@
-"""Where the full-precision weights live: one storage strategy per parameter leaf.
+"""Where the full-precision weights live: one storage kind per parameter leaf.
 
-A *storage kind* is a whole strategy for one parameter leaf: what the
-optimizer state holds for it (``init``), what the inner rule sees (``view``),
-what a step writes back inside the skip ``lax.cond`` and what it hands out of
-it (``commit``), and the update that moves the parameter after the cond
-(``param_update``). ``mixed_precision``'s step is one map over leaves calling
-these; it never asks which kind a leaf has. A *mode* (``masters=``) is the
-record that picks the kind of each leaf and names the state that holds them.
-
-==================  ========================================  ==================
-kind                state per parameter                        parameter
-==================  ========================================  ==================
-``Copy``            a ``dtype`` copy (4 bytes for float32)     nearest, ties even
-``CopyTiesAway``    a float32 copy (4 bytes)                   nearest, ties away
-``Remainder``       the low 16 bits of the float32 master (2)  nearest, ties away
-``Stochastic``      nothing (a 4-byte key per leaf)            rounded at random
-``NoMaster``        nothing: the param is its own master       updated in place
-==================  ========================================  ==================
-
-``masters="full"`` uses ``CopyTiesAway`` for bfloat16 params under float32
-masters and ``Copy`` for every other narrow leaf (float16, fp8, or float64
-masters); ``"remainder"`` and ``"stochastic"`` apply to bfloat16 params under
-float32 masters only. ``CopyTiesAway`` and ``Remainder`` round and land
-identically (see :mod:`mpx._src.rounding`), so a run may switch between them
-bit for bit.
+A kind (:class:`StorageKind`) says what the state holds for a leaf and how a
+step moves it; a :class:`Mode` (``masters=``) picks each leaf's kind. The
+table of kinds: docs/design.md, "The storage kinds".
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +31,13 @@ _FLOAT32 = np.dtype(np.float32)
 
 
 def _as(x: jax.Array, dtype: Any) -> jax.Array:
-  """``x`` in ``dtype``, binding no op where it already is: every op traced
+  """Returns ``x`` in ``dtype``, binding no op where it already is: every op traced
   per leaf is paid for again in compile time."""
   return x if x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
 
 
 def _add(master: jax.Array, update: Any, dtype: Any) -> jax.Array:
-  """``(master + update)`` in ``dtype``; lax where the dtypes agree, since
+  """Returns ``(master + update)`` in ``dtype``; lax where the dtypes agree, since
   ``+`` on tracers traces as a nested jit at every leaf."""
   if getattr(update, "dtype", None) == master.dtype == dtype:
     return jax.lax.add(master, update)
@@ -66,7 +45,7 @@ def _add(master: jax.Array, update: Any, dtype: Any) -> jax.Array:
 
 
 def _delta(target: jax.Array, param: jax.Array, dtype: Any, applied: jax.Array) -> jax.Array:
-  """``target - param`` in ``dtype``, zero on a skipped step: the update with
+  """Returns ``target - param`` in ``dtype``, zero on a skipped step: the update with
   which ``optax.apply_updates`` lands ``param`` on ``target``. Computed after
   the cond, it fuses into ``optax.apply_updates``."""
   delta = jax.lax.sub(_as(target, dtype), _as(param, dtype))
@@ -74,7 +53,7 @@ def _delta(target: jax.Array, param: jax.Array, dtype: Any, applied: jax.Array) 
 
 
 def _land(master: jax.Array, param: jax.Array) -> jax.Array:
-  """The canonical ``master``, moved to where ``optax.apply_updates`` lands
+  """Returns the canonical ``master``, moved to where ``optax.apply_updates`` lands
   ``param`` if that is not its ties-away rounding (a target more than 2**16
   times smaller than the param: the float32 update itself rounds), so the
   param is always exactly the rounding of its master, as a remainder needs."""
@@ -85,8 +64,46 @@ def _land(master: jax.Array, param: jax.Array) -> jax.Array:
   return jax.lax.select(exact, master, landed)
 
 
+class StorageKind(Protocol):
+  """What one parameter leaf stores, and how a step moves it (the table above)."""
+
+  @property
+  def master_dtype(self) -> Any:
+    """Returns the dtype the inner rule sees the leaf in; None: the param's own."""
+
+  def init(self, param: Any, sources: Sources, index: int, seed: int) -> Any:
+    """Returns what the state stores for ``param`` (the ``index``-th leaf)."""
+
+  def stored_like(self, param: Any) -> Any:
+    """Returns the shape and dtype of what ``init`` stores for ``param``."""
+
+  def view(self, stored: Any, param: Any) -> Any:
+    """Returns the master: what the inner rule sees for this leaf."""
+
+  def commit(self, master: Any, update: Any, stored: Any, param: Any, step: Any) -> tuple[Any, Any]:
+    """Returns ``(new stored, handoff)``: what the state stores after the
+    inner rule's ``update`` of ``master``, and what ``param_update`` reads."""
+
+  def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> Any:
+    """Returns the update that lands ``param`` on its new master's rounding
+    (zero where not ``applied``)."""
+
+  def sync(self, stored: Any, param: Any) -> Any:
+    """Returns ``stored`` restarted wherever ``param`` was edited outside the
+    optimizer."""
+
+
 @dataclasses.dataclass(frozen=True)
-class NoMaster:
+class _KeepsNoMaster:
+  """A kind that keeps no master, so has nothing to restart after an edit."""
+
+  def sync(self, stored: Any, param: Any) -> Any:
+    del param
+    return stored
+
+
+@dataclasses.dataclass(frozen=True)
+class NoMaster(_KeepsNoMaster):
   """A leaf at the master dtype or wider, or not floating: the inner rule
   updates the param itself, and the state holds ``optax.MaskedNode()``."""
 
@@ -108,13 +125,9 @@ class NoMaster:
     del master, param, step
     return stored, update  # the inner rule's update leaves the cond as it is (zero if skipped)
 
-  def param_update(self, stored: Any, carried: Any, param: Any, applied: jax.Array) -> Any:
+  def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> Any:
     del stored, param, applied
-    return carried
-
-  def sync(self, stored: Any, param: Any) -> Any:
-    del param
-    return stored
+    return handoff
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +155,11 @@ class Copy:
     return _add(master, update, self.master_dtype), None  # the new master is state
 
   def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
+    """Returns the param ``master`` rounds to, in the param's dtype."""
     return tree_lib.saturating_cast(master, param.dtype)
 
-  def param_update(self, stored: Any, carried: Any, param: Any, applied: jax.Array) -> jax.Array:
-    del carried
+  def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
+    del handoff
     param = jnp.asarray(param)
     return _delta(self.rounded(stored, param), param, self.master_dtype, applied)
 
@@ -178,12 +192,7 @@ class CopyTiesAway(Copy):
 
   def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
     del param
-    return rounding.round_ties_away_f32(master)  # the stored master is canonical
-
-  def sync(self, stored: jax.Array, param: Any) -> jax.Array:
-    param = jnp.asarray(param)
-    kept = rounding.same_bits(rounding.round_ties_away(rounding.canonical(stored)), param)
-    return jnp.where(kept, stored, param.astype(stored.dtype))
+    return rounding.round_ties_away(rounding.canonical(master))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,8 +210,8 @@ class Remainder:
   def stored_like(self, param: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(param), jnp.int16)
 
-  def view(self, stored: jax.Array, param: jax.Array) -> jax.Array:
-    return rounding.join(param, stored)
+  def view(self, stored: jax.Array, param: Any) -> jax.Array:
+    return rounding.join(jnp.asarray(param), stored)
 
   def commit(
     self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any
@@ -213,21 +222,21 @@ class Remainder:
     return rounding.remainder(master), master
 
   def param_update(
-    self, stored: Any, carried: jax.Array, param: Any, applied: jax.Array
+    self, stored: Any, handoff: jax.Array, param: Any, applied: jax.Array
   ) -> jax.Array:
     del stored
-    target = rounding.round_ties_away_f32(carried)
+    target = rounding.round_ties_away_f32(handoff)
     return _delta(target, jnp.asarray(param), jnp.float32, applied)
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:
-    """The master follows any edit of the param by itself; only a param set
-    to zero under a negative remainder breaks the pair (see ``join``)."""
+    """Restarts the remainders an edit broke: a param set to zero under a
+    negative remainder (see ``join``); any other edit the master follows."""
     wraps = rounding.wraps(jnp.asarray(param), stored)
     return jnp.where(wraps, jnp.zeros_like(stored), stored)
 
 
 @dataclasses.dataclass(frozen=True)
-class Stochastic:
+class Stochastic(_KeepsNoMaster):
   """No master: the bfloat16 param is updated in float32 and rounded up or
   down at random. The state holds the leaf's uint32 key; its random bits come
   from the key, the element's position and the count of applied steps."""
@@ -242,9 +251,9 @@ class Stochastic:
     del param
     return jax.ShapeDtypeStruct((), jnp.uint32)
 
-  def view(self, stored: Any, param: jax.Array) -> jax.Array:
+  def view(self, stored: Any, param: Any) -> jax.Array:
     del stored
-    return param.astype(jnp.float32)
+    return jnp.asarray(param).astype(jnp.float32)
 
   def commit(
     self, master: jax.Array, update: Any, stored: Any, param: Any, step: jax.Array
@@ -255,14 +264,10 @@ class Stochastic:
     return stored, rounding.landing(param, value)
 
   def param_update(
-    self, stored: Any, carried: jax.Array, param: Any, applied: jax.Array
+    self, stored: Any, handoff: jax.Array, param: Any, applied: jax.Array
   ) -> jax.Array:
     del stored
-    return _delta(carried, jnp.asarray(param), jnp.float32, applied)
-
-  def sync(self, stored: Any, param: Any) -> Any:
-    del param
-    return stored
+    return _delta(handoff, jnp.asarray(param), jnp.float32, applied)
 
 
 NO_MASTER = NoMaster()
@@ -277,11 +282,11 @@ class Mode:
   name: str
   state_type: type
   stored_field: str
-  bfloat16_kind: Any
+  bfloat16_kind: StorageKind
   takes_other_narrow_params: bool
 
-  def kind_for(self, param: Any, dtype: Any, path: str) -> Any:
-    """The kind of one param leaf under ``dtype`` masters, or a ValueError
+  def kind_for(self, param: Any, dtype: Any, path: str) -> StorageKind:
+    """Returns the kind of one param leaf under ``dtype`` masters, or a ValueError
     naming the leaf."""
     if not tree_lib.is_floating(param) or tree_lib.float_bits(param) >= jnp.finfo(dtype).bits:
       return NO_MASTER
@@ -296,8 +301,8 @@ class Mode:
       'under masters="full", e.g. with optax.partition.'
     )
 
-  def kind_of_stored(self, stored: Any, param: Any) -> Any:
-    """The kind of a leaf from what a state holds for it (no ``dtype`` at
+  def kind_of_stored(self, stored: Any, param: Any) -> StorageKind:
+    """Returns the kind of a leaf from what a state holds for it (no ``dtype`` at
     hand): a floating stored leaf is a master of its own dtype; any other
     stored leaf implies float32 masters."""
     if tree_lib.no_master(stored):
@@ -307,11 +312,21 @@ class Mode:
     return self.kind_for(param, dtype, "<stored>")
 
   def stored(self, state: Any) -> Any:
-    """The param-shaped tree of what ``state`` stores per leaf."""
+    """Returns the param-shaped tree of what ``state`` stores per leaf."""
     return getattr(state, self.stored_field)
 
   def state(self, stored: Any, applied: Any, nonfinite: Any, inner_state: Any) -> Any:
     return self.state_type(stored, applied, nonfinite, inner_state)
+
+  def map_stored(self, fn: Callable[[StorageKind, Any, Any], Any], state: Any, params: Any) -> Any:
+    """Returns the tree of ``fn(kind, stored, param)`` over ``state``'s leaves
+    and ``params``; raises ValueError where the trees differ."""
+    return jax.tree.map(
+      lambda stored, param: fn(self.kind_of_stored(stored, param), stored, param),
+      self.stored(state),
+      params,
+      is_leaf=tree_lib.no_master,
+    )
 
 
 MODES = {

@@ -58,26 +58,22 @@ def sync_masters(opt_state: optax.OptState, params: tree_lib.PyTree) -> optax.Op
 
   def sync(state: Any) -> Any:
     mode = storage.MODE_OF_STATE[type(state)]
-    return state._replace(**{mode.stored_field: _each(mode, mode.stored(state), params)})
+    try:
+      synced = mode.map_stored(_sync_leaf, state, params)
+    except ValueError as error:
+      raise ValueError(
+        "sync_masters: params do not match the masters in opt_state (pass the "
+        "params the state was made for)."
+      ) from error
+    return state._replace(**{mode.stored_field: synced})
 
   return state_search.replace_states(opt_state, MIXED_PRECISION_STATES, sync)
 
 
-def _each(mode: storage.Mode, stored: Any, params: Any) -> Any:
-  def leaf(s: Any, p: Any) -> Any:
-    if tree_lib.no_master(s):
-      return s
-    new = mode.kind_of_stored(s, p).sync(s, p)
-    # Outside jit, keep the stored leaf's sharding object itself (an
-    # equivalent spec spelled differently would recompile a pinned step).
-    if not isinstance(new, jax.core.Tracer) and isinstance(s, jax.Array):
-      new = jax.device_put(new, s.sharding)
-    return new
-
-  try:
-    return jax.tree.map(leaf, stored, params, is_leaf=tree_lib.no_master)
-  except ValueError as error:
-    raise ValueError(
-      "sync_masters: params do not match the masters in opt_state (pass the "
-      "params the state was made for)."
-    ) from error
+def _sync_leaf(kind: storage.StorageKind, stored: Any, param: Any) -> Any:
+  synced = kind.sync(stored, param)
+  # Outside jit, keep the stored leaf's sharding object itself (an
+  # equivalent spec spelled differently would recompile a pinned step).
+  if not isinstance(synced, jax.core.Tracer) and isinstance(stored, jax.Array):
+    synced = jax.device_put(synced, stored.sharding)
+  return synced

@@ -1,25 +1,7 @@
-"""A step's verdict: apply it, or skip it. One rule, used by both transformations.
+"""A step's verdict: every gradient finite as the inner rule will receive it.
 
-A step is applied only if every gradient is finite *as the inner rule will
-receive it*: unscaled by the loss scale (in the wider of its dtype and
-float32, so a float64 leaf is never narrowed) and cast to its master dtype.
-A cast can overflow where the raw value did not (an unscaled float32
-gradient of 7e4 for a float16 master), so the check reads the received value
-wherever that can happen, and the raw one elsewhere (cheaper, and equivalent).
-
-Where the verdict is computed:
-
-- ``mixed_precision`` alone, or wrapped directly by ``loss_scale``: by the
-  ``mixed_precision``, on the gradients it receives, which under
-  ``loss_scale`` are the raw scaled ones with an :class:`Unscaling` beside
-  them. It reduces the verdict across the ``axis_name`` that record carries
-  and counts a skip in its state's ``nonfinite_steps``; ``loss_scale`` reads
-  the verdict back from that count (:func:`recorded`).
-- ``loss_scale`` around anything else: by ``loss_scale`` on the gradients it
-  receives, before the inner rule runs. A ``mixed_precision`` deeper inside
-  checks what it receives again (a rule in front of it may make an inf); if
-  it skips, ``loss_scale`` rolls the whole inner state back and counts the
-  step as skipped, so the chain around it does not advance either.
+One rule for both transformations; who computes it: docs/design.md, "One
+verdict, and who computes it".
 """
 
 from __future__ import annotations
@@ -36,6 +18,11 @@ from mpx._src import state_search
 from mpx._src import tree as tree_lib
 from mpx._src.finite import all_finite
 from mpx._src.states import MIXED_PRECISION_STATES
+
+# optax.lbfgs's extra arguments, computed from the (scaled) loss like the
+# gradients; "grad" is shaped like them.
+EXTRA_ARGS_FROM_THE_LOSS = ("value", "grad")
+EXTRA_GRADIENT_ARG = "grad"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +55,7 @@ class TakesLossScaledGradients(optax.GradientTransformationExtraArgs):
 
 
 def received(grad: Any, dtype: Any, unscaling: Unscaling | None) -> Any:
-  """A gradient leaf as the inner rule receives it: unscaled (in the wider of
+  """Returns a gradient leaf as the inner rule receives it: unscaled (in the wider of
   its dtype and float32) under a loss scale, then cast to ``dtype`` (None:
   kept). Non-floating leaves pass as they are."""
   if not tree_lib.is_floating(grad):
@@ -83,14 +70,14 @@ def received(grad: Any, dtype: Any, unscaling: Unscaling | None) -> Any:
 
 
 def _can_overflow(grad: Any, dtype: Any, unscaling: Unscaling | None) -> bool:
-  """Whether ``received`` can make a finite ``grad`` non-finite."""
+  """Returns whether ``received`` can make a finite ``grad`` non-finite."""
   if unscaling is not None and not unscaling.scale_at_least_one:
     return True  # dividing by a scale below 1 grows values
   return dtype is not None and jnp.finfo(dtype).max < jnp.finfo(tree_lib.leaf_dtype(grad)).max
 
 
 def gradients_finite(grads: list[Any], dtypes: list[Any], unscaling: Unscaling | None) -> jax.Array:
-  """The verdict: whether every gradient is finite as ``received`` makes it
+  """Returns the verdict: whether every gradient is finite as ``received`` makes it
   with its ``dtypes`` entry, agreed across ``unscaling.axis_name``. Reads the
   raw gradient wherever receiving it cannot overflow."""
   to_check = [
@@ -102,20 +89,20 @@ def gradients_finite(grads: list[Any], dtypes: list[Any], unscaling: Unscaling |
 
 
 def agreed(finite: jax.Array, axis_name: Any) -> jax.Array:
-  """``finite`` AND-ed over ``axis_name`` (if any), so every replica agrees."""
+  """Returns ``finite`` AND-ed over ``axis_name`` (if any), so every replica agrees."""
   if axis_name is None:
     return finite
   return jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
 
-def has_recorder(inner_state: Any) -> bool:
-  """Whether ``inner_state`` holds a ``mixed_precision`` state, which records
+def holds_mixed_precision(inner_state: Any) -> bool:
+  """Returns whether ``inner_state`` holds a ``mixed_precision`` state, which records
   its own skips (at trace time: a question about the structure)."""
   return bool(state_search.find_states(inner_state, MIXED_PRECISION_STATES))
 
 
-def recorded(old_inner: Any, new_inner: Any) -> jax.Array:
-  """Whether no ``mixed_precision`` state in ``new_inner`` counted a skip
+def no_skip_counted(old_inner: Any, new_inner: Any) -> jax.Array:
+  """Returns whether no ``mixed_precision`` state in ``new_inner`` counted a skip
   since ``old_inner``: the verdicts they computed, as one flag. Comparing
   counts, not a last-step flag, reads a step that never reached them (a
   ``MultiSteps`` accumulation step) as applied."""
