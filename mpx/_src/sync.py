@@ -24,16 +24,9 @@ def sync_masters(opt_state: optax.OptState, params: tree_lib.PyTree) -> optax.Op
   ``opt_state`` (chain, ``MultiSteps``, ``inject_hyperparams``, partitions,
   ``loss_scale``).
 
-  By storage mode:
-
-  - ``"full"``: as above, comparing bit patterns (an edit to ``-0.0`` or to
-    the other tie neighbour counts).
-  - ``"remainder"``: the master *is* the param plus its 16 low bits, so it
-    follows any edit by itself, to within half a bf16 ulp of the new param.
-    The only pairs an edit can break are a param set to zero with a negative
-    remainder; their remainder restarts at 0 (the master is then exactly the
-    param). Everything else is kept.
-  - ``"stochastic"``: there are no masters; the state is returned as is.
+  With ``masters="remainder"`` the master follows any edit by itself (a
+  param set to zero under a negative remainder restarts it at 0); with
+  ``"stochastic"`` there is no master and the state is returned as is.
 
   Args:
     opt_state: a state containing :func:`mpx.mixed_precision` states.
