@@ -161,7 +161,11 @@ class Copy:
   def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
     del handoff
     param = jnp.asarray(param)
-    return _delta(self.rounded(stored, param), param, self.master_dtype, applied)
+    return _delta(self._landing_target(stored, param), param, self.master_dtype, applied)
+
+  def _landing_target(self, master: jax.Array, param: jax.Array) -> jax.Array:
+    """Returns where ``param_update`` lands ``param``: ``rounded``."""
+    return self.rounded(master, param)
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:
     """Keeps each master whose rounding is still the param; restarts the
@@ -193,6 +197,12 @@ class CopyTiesAway(Copy):
   def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
     del param
     return rounding.round_ties_away(rounding.canonical(master))
+
+  def _landing_target(self, master: jax.Array, param: jax.Array) -> jax.Array:
+    """Returns ``rounded`` in float32: the step's stored master is canonical,
+    and the float32 form spares the update a round trip through bfloat16."""
+    del param
+    return rounding.round_ties_away_f32(master)
 
 
 @dataclasses.dataclass(frozen=True)
