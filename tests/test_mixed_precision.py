@@ -226,7 +226,9 @@ def test_extra_args_reach_the_inner_rule():
   seen = {}
 
   def update(updates, state, params=None, **extra_args):
-    seen.update(extra_args)
+    seen["key"] = extra_args.get("key")
+    # The step is jitted (eager too): read the traced value= when it runs.
+    jax.debug.callback(lambda value: seen.update(value=value), extra_args["value"])
     return updates, state
 
   inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)

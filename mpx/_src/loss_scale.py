@@ -278,7 +278,7 @@ def _general_step(
   finite = verdict.gradients_finite(flat, [None] * len(flat), unscaling)
   rolls_back = verdict.holds_mixed_precision(inner_state)
 
-  def step(inner_state, grads, params):
+  def step(inner_state, grads, params, unscaling, extra_args):
     # Unscaled inside the cond, so the float32 copy fuses into the update.
     grads = _unscale_all(grads, unscaling)
     updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
@@ -290,7 +290,7 @@ def _general_step(
     return new_inner, (updates, applied)
 
   new_inner, (updates, inner_applied), _ = skip.run_if_finite(
-    finite, step, inner_state, grads, params
+    finite, step, inner_state, grads, params, unscaling, extra_args
   )
   if per_example:  # the inner rule must have reduced the leading axes
     validation.check_updates_reduced("loss_scale", updates, params)

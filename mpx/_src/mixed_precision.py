@@ -139,12 +139,16 @@ def mixed_precision(
     # 2. The verdict, on each gradient as the inner rule will receive it.
     finite = verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling)
     # 3. The step on the masters; on a skipped step nothing is written.
-    step = functools.partial(
-      _step_on_masters, inner, leaves, inner_layout, unscaling, state.applied_steps, extra_args
-    )
+    step = functools.partial(_step_on_masters, inner, inner_layout)
     stored_inner, _ = moments_lib.flatten_stored(state.inner_state)
     (new_stored, new_stored_inner), handoffs, applied = skip.run_if_finite(
-      finite, step, (leaves.stored, stored_inner), leaves.grads
+      finite,
+      step,
+      (leaves.stored, stored_inner),
+      leaves.without_stored(),
+      unscaling,
+      state.applied_steps,
+      extra_args,
     )
     # 4. After the skip: the param updates (they fuse into optax.apply_updates).
     param_updates = [
@@ -198,13 +202,12 @@ def _checked_leaves(
 
 def _step_on_masters(
   inner: optax.GradientTransformationExtraArgs,
-  leaves: _Leaves,
   inner_layout: _InnerLayout,
+  stored_state: tuple[list[Any], list[Any]],
+  leaves: _Leaves,
   unscaling: verdict.Unscaling | None,
   applied_steps: jax.Array,
   extra_args: dict[str, Any],
-  stored_state: tuple[list[Any], list[Any]],
-  grads: list[Any],
 ) -> tuple[tuple[list[Any], list[Any]], list[Any]]:
   """Runs the inner rule on the master view and commits each leaf.
 
@@ -212,6 +215,7 @@ def _step_on_masters(
   stores next, and what each leaf's ``param_update`` reads after the skip.
   """
   stored, stored_inner = stored_state
+  grads = leaves.grads
   inner_state = inner_layout.tree(
     [kind.decompress(s) for kind, s in zip(inner_layout.kinds, stored_inner, strict=True)]
   )
@@ -265,7 +269,7 @@ class _Leaves:
   grads: list[Any]
   grad_treedef: Any
   grad_kinds: list[storage.StorageKind]
-  grad_params: list[Any]
+  grad_shapes: list[tuple[int, ...]]
 
   @classmethod
   def align(cls, mode: storage.Mode, dtype: Any, grads: Any, params: Any, stored: Any) -> _Leaves:
@@ -286,9 +290,15 @@ class _Leaves:
     if grads is not None:
       validation.check_grads_match_params("mixed_precision", grads, params)
       grads_flat = grad_treedef.flatten_up_to(grads)
+    grad_shapes = [np.shape(p) for p in grad_params]
     return cls(
-      treedef, kinds, params_flat, stored_flat, grads_flat, grad_treedef, grad_kinds, grad_params
+      treedef, kinds, params_flat, stored_flat, grads_flat, grad_treedef, grad_kinds, grad_shapes
     )
+
+  def without_stored(self) -> _Leaves:
+    """Returns these leaves without what is stored: the step receives that as
+    its state, so it is passed to the step once."""
+    return dataclasses.replace(self, stored=[])
 
   def tree(self, flat: list[Any]) -> Any:
     return self.treedef.unflatten(flat)
@@ -311,6 +321,15 @@ class _Leaves:
       p if k.master_dtype is None else jax.ShapeDtypeStruct(np.shape(p), k.master_dtype)
       for k, p in zip(self.kinds, self.params, strict=True)
     ]
+
+
+# A pytree of the step's arrays, so that skip.run_if_finite passes them to the
+# jitted step as arguments.
+jax.tree_util.register_dataclass(
+  _Leaves,
+  data_fields=["params", "stored", "grads"],
+  meta_fields=["treedef", "kinds", "grad_treedef", "grad_kinds", "grad_shapes"],
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +425,7 @@ def _received_like_grads(value: Any, leaves: _Leaves) -> Any:
     flat = leaves.grad_treedef.flatten_up_to(value)
   except (ValueError, TypeError):
     return value
-  if any(np.shape(v) != np.shape(p) for v, p in zip(flat, leaves.grad_params, strict=True)):
+  if any(np.shape(v) != shape for v, shape in zip(flat, leaves.grad_shapes, strict=True)):
     return value
   received = [
     verdict.received(v, k.master_dtype, None) for v, k in zip(flat, leaves.grad_kinds, strict=True)

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mpx._src import compat, form_switch
 
@@ -29,7 +30,8 @@ def run_if_finite(
     step: ``step(state, *args) -> (new_state, outputs)``, keeping the types
       of ``state``.
     state: what ``step`` updates; returned as it is on a skipped step.
-    *args: further arguments of ``step``.
+    *args: further arguments of ``step`` (pytrees): their arrays are
+      passed to the jitted step as arguments, never as constants.
 
   Returns:
     ``(new_state, outputs, applied)``: ``step``'s results, or ``state`` and
@@ -37,18 +39,40 @@ def run_if_finite(
     CPUs it is an output of the cond, so its uses after the cond do not each
     fuse a copy of the predicate (quadratic in the leaves).
   """
-  # One jitted function for both forms: the second call, with the same
-  # shapes, hits jit's cache, so the step (the inner rule) is traced once.
-  traced = jax.jit(lambda state, args: step(state, *args))
+  traced, arrays = _jitted_on_arrays(step, args)
   if gpu_form_on_cpu():
-    return _by_select(finite, traced, state, args)
+    return _by_select(finite, traced, state, arrays)
   return jax.lax.platform_dependent(
     finite,
     state,
-    args,
-    cpu=lambda finite, state, args: _by_cond(finite, traced, state, args),
-    default=lambda finite, state, args: _by_select(finite, traced, state, args),
+    arrays,
+    cpu=lambda finite, state, arrays: _by_cond(finite, traced, state, arrays),
+    default=lambda finite, state, arrays: _by_select(finite, traced, state, arrays),
   )
+
+
+def _jitted_on_arrays(
+  step: Callable[..., tuple[Any, Any]], args: tuple[Any, ...]
+) -> tuple[Callable[[Any, list[Any]], tuple[Any, Any]], list[Any]]:
+  """Returns ``(traced, arrays)``: ``step`` jitted with every array leaf of ``args``
+  as an argument (``traced(state, arrays)``), the other leaves closed over.
+
+  Called eagerly, a closed-over array would be a constant of the step, and
+  XLA folds constants in ways it never folds arguments (``c + (t - c)`` to
+  ``t``, in float32): an eager step would then compute other bits than the
+  same step under ``jit``. One jitted function serves both forms of the
+  skip, so the step (the inner rule) is traced once.
+  """
+  flat, treedef_ = jax.tree.flatten(args)
+  treedef: Any = treedef_  # typed for its methods
+  is_array = [isinstance(x, jax.Array | np.ndarray | np.generic) for x in flat]
+
+  def on_arrays(state: Any, arrays: list[Any]) -> tuple[Any, Any]:
+    given = iter(arrays)
+    leaves = [next(given) if array else x for x, array in zip(flat, is_array, strict=True)]
+    return step(state, *treedef.unflatten(leaves))
+
+  return jax.jit(on_arrays), [x for x, array in zip(flat, is_array, strict=True) if array]
 
 
 def gpu_form_on_cpu() -> bool:
@@ -58,7 +82,7 @@ def gpu_form_on_cpu() -> bool:
 
 
 def _by_cond(
-  finite: jax.Array, step: Callable[..., tuple[Any, Any]], state: Any, args: tuple[Any, ...]
+  finite: jax.Array, step: Callable[..., tuple[Any, Any]], state: Any, args: Any
 ) -> tuple[Any, Any, jax.Array]:
   outputs_like = []
 
@@ -82,7 +106,7 @@ def _by_cond(
 
 
 def _by_select(
-  finite: jax.Array, step: Callable[..., tuple[Any, Any]], state: Any, args: tuple[Any, ...]
+  finite: jax.Array, step: Callable[..., tuple[Any, Any]], state: Any, args: Any
 ) -> tuple[Any, Any, jax.Array]:
   new_state, outputs = step(state, args)
   kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)

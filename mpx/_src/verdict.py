@@ -43,6 +43,13 @@ class Unscaling:
   axis_name: Any = None
 
 
+# A pytree whose one array is the inverse scale, so that a jitted step takes
+# it as an argument (skip.run_if_finite).
+jax.tree_util.register_dataclass(
+  Unscaling, data_fields=["inverse_scale"], meta_fields=["scale_at_least_one", "axis_name"]
+)
+
+
 class TakesLossScaledGradients(optax.GradientTransformationExtraArgs):
   """An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes the
   raw loss-scaled gradients with an ``unscaling=`` :class:`Unscaling`,
@@ -80,10 +87,14 @@ def gradients_finite(grads: list[Any], dtypes: list[Any], unscaling: Unscaling |
   """Returns the verdict: whether every gradient is finite as ``received`` makes it
   with its ``dtypes`` entry, agreed across ``unscaling.axis_name``. Reads the
   raw gradient wherever receiving it cannot overflow."""
+  # As jax holds them: a host float64 gradient without x64 is float32 (1e300
+  # is inf) when the rule receives it, and is judged so.
+  floating = [
+    (jnp.asarray(g), d) for g, d in zip(grads, dtypes, strict=True) if tree_lib.is_floating(g)
+  ]
   to_check = [
     received(g, dtype, unscaling) if _can_overflow(g, dtype, unscaling) else g
-    for g, dtype in zip(grads, dtypes, strict=True)
-    if tree_lib.is_floating(g)
+    for g, dtype in floating
   ]
   return agreed(all_finite(to_check), None if unscaling is None else unscaling.axis_name)
 
