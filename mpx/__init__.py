@@ -25,6 +25,7 @@ from mpx._src.states import (
   Nonnegative8bitMoment,
   Signed8bitMoment,
 )
+from mpx._src.switch import switch_masters
 from mpx._src.sync import sync_masters
 from mpx._src.tree import cast_tree, select_tree
 
@@ -50,6 +51,7 @@ __all__ = [
   "scale_loss",
   "select_tree",
   "static_loss_scale",
+  "switch_masters",
   "sync_masters",
   "unscale",
   "zero1_shardings",

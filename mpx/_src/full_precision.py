@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import rounding, validation
+from mpx._src import rounding, states, validation
 from mpx._src import tree as tree_lib
 
 # Keyed by leaf identity, which survives any wrapper's reshaping of the tree
@@ -103,24 +103,58 @@ def init_from_full_precision(
     for (path, low_leaf), full_leaf in zip(low_with_paths, jax.tree.leaves(params), strict=True)
     if low_leaf is not full_leaf
   ]
-  sources = _MasterSources(pairs)
-  token = _MASTER_SOURCES.set(sources)
-  try:
-    opt_state = tx.init(low)
-  finally:
-    _MASTER_SOURCES.reset(token)
-  unused = sources.unused_paths()
+  opt_state, unused = init_seeded(tx, low, pairs)
   if unused:
+    stochastic = set(_stochastic_paths(opt_state)).intersection(unused)
+    if len(stochastic) == len(unused):
+      fix = (
+        "They are under mpx.mixed_precision, but masters='stochastic' keeps no "
+        "master to seed: cast them with mpx.cast_tree and call tx.init instead."
+      )
+    else:
+      fix = (
+        "Wrap the rule for them in mpx.mixed_precision with a dtype wider than "
+        "param_dtype, or keep them in full precision with `where`."
+      )
+      if stochastic:
+        fix += (
+          f" ({len(stochastic)} of them are under masters='stochastic', which "
+          "keeps no master: cast those with mpx.cast_tree and call tx.init.)"
+        )
     raise ValueError(
       f"init_from_full_precision: {len(unused)} leaves cast to "
       f"{np.dtype(param_dtype)} got no master copy from tx, so their "
       f"full-precision bits would be lost: {', '.join(unused[:10])}"
-      f"{' ...' if len(unused) > 10 else ''}. Wrap the rule for them in "
-      "mpx.mixed_precision with a dtype wider than param_dtype, or keep them "
-      "in full precision with `where`. (masters='stochastic' keeps no master: "
-      "cast with mpx.cast_tree and call tx.init.)"
+      f"{' ...' if len(unused) > 10 else ''}. {fix}"
     )
   return low, opt_state
+
+
+def _stochastic_paths(opt_state: Any) -> list[str]:
+  """The paths of the leaves that a ``masters="stochastic"`` state in
+  ``opt_state`` rounds (for ``init_from_full_precision``'s message)."""
+  is_stochastic = lambda node: isinstance(node, states.MixedPrecisionStochasticState)  # noqa: E731
+  paths = []
+  for node in jax.tree.leaves(opt_state, is_leaf=is_stochastic):
+    if is_stochastic(node):
+      keys, _ = jax.tree_util.tree_flatten_with_path(node.rounding_keys)
+      paths += [tree_lib.path_str(path) for path, _ in keys]
+  return paths
+
+
+def init_seeded(
+  tx: optax.GradientTransformation, params: Any, pairs: list[tuple[Any, Any, str]]
+) -> tuple[optax.OptState, list[str]]:
+  """Returns ``(tx.init(params), unused paths)``, every master of a param leaf
+  named in ``pairs`` (``(leaf, full-precision value, path)``) seeded from its
+  value; the paths are those of the pairs no master took."""
+  sources = _MasterSources(pairs)
+  token = _MASTER_SOURCES.set(sources)
+  try:
+    opt_state = tx.init(params)
+  finally:
+    _MASTER_SOURCES.reset(token)
+  return opt_state, sources.unused_paths()
 
 
 def _cast_for_masters(leaf: Any, param_dtype: Any) -> jax.Array:
