@@ -480,3 +480,20 @@ def test_b29_master_params_refuses_a_rule_chained_after_mixed_precision():
   state = optax.MultiSteps(tx, every_k_schedule=2).init(params)
   with pytest.raises(ValueError, match="master_params: " + _AFTER):
     mpx.master_params(state, params)
+
+
+def test_init_from_full_precision_under_stochastic_masters_says_to_cast_and_init():
+  full = {"w": jnp.ones(3), "b": jnp.ones(2)}
+  stochastic = mpx.mixed_precision(optax.sgd(1.0), masters="stochastic")
+  with pytest.raises(ValueError, match="stochastic' keeps no master") as error:
+    mpx.init_from_full_precision(stochastic, full, jnp.bfloat16)
+  assert "mpx.cast_tree and call tx.init" in str(error.value)
+  assert "Wrap the rule" not in str(error.value)  # it is already wrapped
+  with pytest.raises(ValueError, match="Wrap the rule for them in mpx.mixed_precision") as error:
+    mpx.init_from_full_precision(optax.sgd(1.0), full, jnp.bfloat16)
+  assert "stochastic" not in str(error.value)
+  labels = {"w": "stochastic", "b": "plain"}
+  mixed = optax.partition({"stochastic": stochastic, "plain": optax.sgd(1.0)}, labels)
+  partly = r"Wrap the rule.*\(1 of them are under masters='stochastic'"
+  with pytest.raises(ValueError, match=partly):
+    mpx.init_from_full_precision(mixed, full, jnp.bfloat16)

@@ -413,9 +413,10 @@ def static_loss_scale(
   """Wraps ``inner`` in a fixed loss scale, still skipping non-finite steps.
 
   Like :func:`loss_scale` with a scale that never changes: gradients are
-  unscaled in float32 and a step with inf or NaN is skipped (and counted in
-  ``skipped_steps``). The state is a :class:`LossScaleState`, so
-  :func:`mpx.scale_loss` and :func:`mpx.get_loss_scale` work unchanged.
+  unscaled in the wider of their dtype and float32 (float64 ones stay float64)
+  and a step with inf or NaN is skipped (and counted in ``skipped_steps``).
+  The state is a :class:`LossScaleState`, so :func:`mpx.scale_loss` and
+  :func:`mpx.get_loss_scale` work unchanged.
 
   Args:
     inner: the rule to feed unscaled float32 gradients.
