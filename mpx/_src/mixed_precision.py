@@ -122,7 +122,7 @@ def mixed_precision(
       nonfinite_steps,
       inner_treedef.unflatten(stored_inner),
     )
-    return variables.fit_variables(state)
+    return variables.fit_variables(state, moments_format.name, linen_boxes=True)
 
   def update_fn(
     updates: optax.Updates,
@@ -165,7 +165,7 @@ def mixed_precision(
     )
     return leaves.tree(param_updates), new_state
 
-  return verdict.TakesLossScaledGradients(init_fn, update_fn)
+  return verdict.TakesLossScaledGradients(init_fn, variables.through_linen_boxes(update_fn))
 
 
 def _checked_leaves(

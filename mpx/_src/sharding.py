@@ -13,7 +13,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mpx._src import moment_codes
+from mpx._src import moment_codes, variables
 from mpx._src import tree as tree_lib
 from mpx._src.states import COMPRESSED_MOMENTS, Nonnegative8bitMoment, Signed8bitMoment
 
@@ -42,12 +42,12 @@ def _param_spec(leaf: Any, mesh: Mesh, ndim: int) -> tuple[Any, ...]:
 
 def _add_axis(
   shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Mesh, axis: str
-) -> PartitionSpec:
+) -> tuple[Any, ...]:
   """Adds ``axis`` to the first dimension it divides evenly, an unsharded one
   first, else appended to a sharded one (``("model", "data")``); if none
   divides, the leaf stays replicated over ``axis``."""
   if any(axis in _axes(entry) for entry in entries):
-    return _canonical(entries, mesh)  # already sharded over axis (e.g. FSDP params)
+    return entries  # already sharded over axis (e.g. FSDP params)
   size = mesh.shape[axis]
 
   def fits(dim: int) -> bool:
@@ -61,7 +61,7 @@ def _add_axis(
     new[free[0]] = axis
   elif taken:
     new[taken[0]] = (*_axes(entries[taken[0]]), axis)
-  return _canonical(new, mesh)
+  return tuple(new)
 
 
 def _canonical(entries: Any, mesh: Mesh) -> PartitionSpec:
@@ -87,7 +87,9 @@ def zero1_shardings(
 
   Each state leaf that mirrors a parameter (masters, moments) gets its
   parameter's ``PartitionSpec`` with ``axis`` added to the first dimension it
-  divides evenly; every other leaf stays replicated over ``axis``. Shard a
+  divides evenly; every other leaf stays replicated over ``axis``. An 8-bit
+  moment's codes get that spec; its block scales keep each entry only where
+  their own axis divides (the last: whole blocks on each device). Shard a
   jitted ``tx.init`` and the step's state with it, and pin the params in the
   step (docs/multi_device.md, "ZeRO-1").
 
@@ -99,7 +101,7 @@ def zero1_shardings(
       (e.g. tensor parallelism); any other leaf counts as replicated.
     mesh: the device mesh, its axes ``AxisType.Auto`` (GSPMD).
     axis: the data-parallel mesh axis, or None for no ZeRO: each state leaf
-      then mirrors its parameter's sharding.
+      then mirrors its parameter's sharding ("shard like the params").
 
   Returns:
     A tree of ``NamedSharding`` with the structure of ``tx.init(params)``,
@@ -129,38 +131,56 @@ def zero1_shardings(
   replicated = NamedSharding(mesh, PartitionSpec())
   abstract_state = jax.eval_shape(tx.init, params)
 
-  def spec(shape: tuple[int, ...], param: Any, fit_shape: tuple[int, ...]) -> NamedSharding:
-    """Returns the param's spec for a leaf of ``shape``, ``axis`` added to the
-    first dimension of ``fit_shape`` it divides."""
-    if not shape:
-      return replicated
+  def entries_for(
+    shape: tuple[int, ...], param: Any, fit_shape: tuple[int, ...]
+  ) -> tuple[Any, ...]:
+    """Returns the param's spec entries for a leaf of ``shape``, ``axis`` added
+    to the first dimension of ``fit_shape`` it divides."""
     entries = _param_spec(param, mesh, len(shape))
     if axis is None:
-      return NamedSharding(mesh, _canonical(entries, mesh))
-    return NamedSharding(mesh, _add_axis(fit_shape, entries, mesh, axis))
+      return entries
+    return _add_axis(fit_shape, entries, mesh, axis)
 
   def shard_like_param(leaf: Any, param: Any) -> Any:
     if tree_lib.is_placeholder(leaf):
       return leaf
     if isinstance(leaf, COMPRESSED_MOMENTS):
-      # Every part (codes and block scales alike) gets one spec, chosen as if
-      # the leaf's last axis were its blocks: a split of it then falls on
-      # block boundaries, so no block straddles two devices. A last block cut
-      # short never splits.
-      parts: Any = leaf
-      shape = fit_shape = tuple(parts[0].shape)
+      # The codes (or bfloat16 values) have the param's shape and get its spec,
+      # ``axis`` added as if the last axis were its blocks: a split of it then
+      # falls on block boundaries. The block scales keep an entry only where
+      # their own axis divides (the last axis: whole blocks, not cut short).
+      moment: Any = leaf
+      shape = fit_shape = tuple(moment[0].shape)
       if isinstance(leaf, (Signed8bitMoment, Nonnegative8bitMoment)):
         size, blocks = moment_codes.block_layout(shape)
         fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
-      return type(leaf)(*[spec(shape, param, fit_shape)] * len(parts))
+      entries = entries_for(shape, param, fit_shape)
+      scales = _fitting(entries, fit_shape, mesh)
+      return type(moment)(
+        NamedSharding(mesh, _canonical(entries, mesh)),
+        *[NamedSharding(mesh, _canonical(scales, mesh))] * (len(moment) - 1),
+      )
     shape = tuple(getattr(leaf, "shape", ()))
-    return spec(shape, param, shape)
+    if not shape:
+      return replicated
+    return NamedSharding(mesh, _canonical(entries_for(shape, param, shape), mesh))
 
-  return optax.tree_utils.tree_map_params(
-    tx,
-    shard_like_param,
-    abstract_state,
-    params,
-    transform_non_params=lambda _: replicated,
-    is_leaf=lambda x: tree_lib.is_placeholder(x) or isinstance(x, COMPRESSED_MOMENTS),
+  is_leaf = lambda x: tree_lib.is_placeholder(x) or isinstance(x, COMPRESSED_MOMENTS)  # noqa: E731
+  with variables.mapping_compressed_moments():  # shard_like_param maps them
+    return optax.tree_utils.tree_map_params(
+      tx,
+      shard_like_param,
+      abstract_state,
+      params,
+      # A whole tree where the state holds no param-like leaf (the rounding keys).
+      transform_non_params=lambda tree: jax.tree.map(lambda _: replicated, tree),
+      is_leaf=is_leaf,
+    )
+
+
+def _fitting(entries: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> tuple[Any, ...]:
+  """Returns ``entries`` with each entry kept only where it divides ``shape``."""
+  return tuple(
+    entry if shape[d] % math.prod(mesh.shape[name] for name in _axes(entry)) == 0 else None
+    for d, entry in enumerate(entries)
   )

@@ -1,24 +1,57 @@
-"""flax nnx ``Variable``s around the state leaves that mpx derives from a param."""
+"""The boxes around the state leaves that mpx derives from a param: flax nnx
+``Variable``s, flax linen ``Partitioned`` (any ``AxisMetadata`` with
+``names``), and optax's params placeholder (``tree_map_params``)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
 import sys
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import jax
 import numpy as np
+from optax.tree_utils import _state_utils
 
 from mpx._src import compat, moments
 from mpx._src import tree as tree_lib
+from mpx._src.states import MIXED_PRECISION_STATES, MixedPrecisionStochasticState
 
 
-def fit_variables(state: Any) -> Any:
-  """Returns ``state`` with each nnx ``Variable`` holding one array its sharding fits.
+class NotParams:
+  """Stands, in the state ``tx.init`` makes of optax's params placeholder, for
+  a tree shaped like the params that holds no param-like leaf: the stochastic
+  mode's scalar rounding keys. ``optax.tree_utils.tree_map_params`` hands the
+  tree there to ``transform_non_params``, not to ``f``."""
 
-  A compressed moment becomes a NamedTuple of ``Variable``s, and an axis
+  def __repr__(self) -> str:
+    return "NotParams()"
+
+
+def fit_variables(state: Any, moments_format: str | None = None, linen_boxes: bool = False) -> Any:
+  """Returns ``state`` with each box around a leaf derived from a param fitting that leaf.
+
+  With nnx imported, each nnx ``Variable`` holds one array its sharding fits:
+  a compressed moment becomes a NamedTuple of ``Variable``s, and an axis
   whose length is not the param's loses its sharding (docs/howto.md, "Use a
-  flax nnx Optimizer"). Without flax imported, ``state`` is returned as is.
+  flax nnx Optimizer"). With ``linen_boxes`` (and flax imported), each flax
+  ``AxisMetadata`` box with ``names`` (linen's ``nn.Partitioned``) is fitted
+  likewise: a compressed moment becomes a NamedTuple of boxes, a scalar
+  rounding key is unboxed (``update`` must then run through
+  :func:`through_linen_boxes`). A state made of optax's params placeholder
+  (``tree_map_params``) gets :class:`NotParams` for its rounding keys, and is
+  refused if ``moments_format`` (the ``moments=`` setting, None: unknown)
+  compresses. Without flax imported, boxes are left as they are.
+
+  Raises:
+    ValueError: for optax's params placeholder under compressed moments.
   """
+  state = _for_optax_placeholder(state, moments_format)
+  if linen_boxes:
+    state = _fit_linen_boxes(state)
   nnx = sys.modules.get("flax.nnx")
   if nnx is None:
     return state
@@ -56,3 +89,126 @@ def _rewrap(variable: Any, value: Any, param_shape: tuple[int, ...] | None) -> A
   if param_shape is None and metadata == variable.get_metadata():
     return variable
   return type(variable)(value, **metadata)
+
+
+# Set while a caller of tree_map_params maps each compressed moment itself.
+_COMPRESSED_MAPPED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "mpx_compressed_mapped", default=False
+)
+
+
+@contextlib.contextmanager
+def mapping_compressed_moments() -> Iterator[None]:
+  """Lets ``optax.tree_utils.tree_map_params`` map a state with compressed
+  moments, for a caller whose ``f`` takes each compressed moment whole
+  (``is_leaf``), as ``zero1_shardings`` does."""
+  token = _COMPRESSED_MAPPED.set(True)
+  try:
+    yield
+  finally:
+    _COMPRESSED_MAPPED.reset(token)
+
+
+def _is_optax_placeholder(tree: Any) -> bool:
+  """Tells whether ``tree`` is the params placeholder of
+  ``optax.tree_utils.tree_map_params`` (as ``optax.masked`` tells it)."""
+  placeholder = getattr(_state_utils, "_ParamsPlaceholder", None)
+  if placeholder is not None:
+    return isinstance(tree, placeholder)
+  return type(tree).__name__ == "_ParamsPlaceholder"
+
+
+def _for_optax_placeholder(state: Any, moments_format: str | None) -> Any:
+  """Returns a state made of optax's params placeholder as ``tree_map_params``
+  can map it: the rounding keys marked :class:`NotParams`; refuses one whose
+  moments are compressed, which the placeholder cannot stand for."""
+  if not isinstance(state, MIXED_PRECISION_STATES) or not _is_optax_placeholder(state[0]):
+    return state
+  if moments_format not in (None, "full") and not _COMPRESSED_MAPPED.get():
+    raise ValueError(
+      "optax.tree_utils.tree_map_params cannot map the state of mixed_precision(..., "
+      f"moments={moments_format!r}): each compressed moment is a NamedTuple (its bfloat16 "
+      "values, or its 8-bit codes and block scales) where the params have one leaf, and "
+      "the block scales do not have the param's shape. For shardings that follow the "
+      "params', use mpx.zero1_shardings(tx, params, mesh, axis=None) (docs/multi_device.md)."
+    )
+  if isinstance(state, MixedPrecisionStochasticState):
+    return state._replace(rounding_keys=NotParams())
+  return state
+
+
+def _linen_box_type() -> type | None:
+  """Returns flax's ``AxisMetadata`` if flax is imported, else None."""
+  meta = sys.modules.get("flax.core.meta")
+  return None if meta is None else meta.AxisMetadata
+
+
+def _fit_linen_boxes(state: Any) -> Any:
+  """Returns ``state`` with each linen box's ``names`` fitting the leaf it holds
+  (:func:`_rebox`)."""
+  box_type = _linen_box_type()
+  if box_type is None:
+    return state
+
+  def fit(node: Any) -> Any:
+    if not isinstance(node, box_type) or not hasattr(node, "names"):
+      return node
+    value: Any = _unboxed(node)
+    if moments.is_compressed(value):
+      shape = np.shape(value[0])  # the codes or values: the param's shape
+      return type(value)(*(_rebox(node, part, shape) for part in value))
+    if tree_lib.is_placeholder(value) or not hasattr(value, "shape"):
+      return node
+    if not np.shape(value) and tuple(node.names):
+      return value  # a scalar rounding key under a matrix's names: unboxed, replicated
+    return _rebox(node, value, None)
+
+  return jax.tree.map(fit, state, is_leaf=lambda x: isinstance(x, box_type))
+
+
+def _unboxed(box: Any) -> Any:
+  """Returns what ``box`` holds, with no sharding constraint (``nn.Partitioned``
+  applies one under a mesh)."""
+  return box.value if hasattr(box, "value") else box.unbox()
+
+
+def _rebox(box: Any, value: Any, param_shape: tuple[int, ...] | None) -> Any:
+  """Boxes ``value`` like ``box``, its ``names`` kept on the axes where ``value``
+  has the param's length (``param_shape``; None: ``box``'s own value)."""
+  names = tuple(box.names)
+  shape = np.shape(value)
+  reference = shape if param_shape is None else param_shape
+  if len(names) == len(shape):
+    names = tuple(n if a == b else None for n, a, b in zip(names, shape, reference, strict=True))
+  else:
+    names = (None,) * len(shape)
+  if param_shape is None and names == tuple(box.names):
+    return box
+  if dataclasses.is_dataclass(box):
+    return dataclasses.replace(cast(Any, box), value=value, names=names)
+  return box.replace_boxed(value)
+
+
+def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps a ``mixed_precision`` ``update`` to take params, gradients and state
+  in flax linen boxes (``nn.Partitioned``, e.g. a linen ``TrainState`` with
+  ``nn.with_partitioning``): it runs on the unboxed trees, and returns the
+  updates boxed like the params and the state boxed like the state it got."""
+
+  @functools.wraps(update_fn)
+  def update(updates: Any, state: Any, params: Any = None, **kwargs: Any) -> Any:
+    box_type = _linen_box_type()
+    is_box = lambda x: box_type is not None and isinstance(x, box_type)  # noqa: E731
+    if params is None or not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
+      return update_fn(updates, state, params, **kwargs)
+
+    def unbox(tree: Any) -> Any:
+      return jax.tree.map(lambda x: _unboxed(x) if is_box(x) else x, tree, is_leaf=is_box)
+
+    new_updates, new_state = update_fn(unbox(updates), unbox(state), unbox(params), **kwargs)
+    return (
+      jax.tree_util.tree_unflatten(jax.tree.structure(params), jax.tree.leaves(new_updates)),
+      jax.tree_util.tree_unflatten(jax.tree.structure(state), jax.tree.leaves(new_state)),
+    )
+
+  return update
