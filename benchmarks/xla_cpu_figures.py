@@ -6,21 +6,31 @@ versions"), in bytes of scratch per parameter: ``python benchmarks/xla_cpu_figur
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import mpx
+from mpx._src import lowering
+
+
+@contextlib.contextmanager
+def _one_cpu_form():
+  """Lowers the one-CPU-device forms, as the tests' switch does."""
+  lowering.force_form(lowering.ONE_CPU)
+  try:
+    yield
+  finally:
+    lowering.force_form(None)
 
 
 def check_scratch(dtype, n: int = 1 << 20) -> float:
   """Measures the single-CPU finite check's scratch per element over ``n`` elements."""
   tree = {"w": jnp.ones((n // 1024, 1024), dtype), "b": jnp.ones(1024, dtype)}
-  with mock.patch.dict(os.environ, {"MPX_TEST_FORM": "one-cpu"}):
+  with _one_cpu_form():
     compiled = jax.jit(lambda tree: mpx.all_finite(tree)).lower(tree).compile()
   return compiled.memory_analysis().temp_size_in_bytes / n
 
@@ -35,7 +45,7 @@ def step_scratch(dtype, tx: optax.GradientTransformation) -> float:
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  with mock.patch.dict(os.environ, {"MPX_TEST_FORM": "one-cpu"}):
+  with _one_cpu_form():
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
   n = sum(math.prod(s) for s in shapes.values())
   return compiled.memory_analysis().temp_size_in_bytes / n

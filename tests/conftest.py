@@ -16,14 +16,18 @@ os.environ["XLA_FLAGS"] = (
 
 
 import pytest
+from lowering_forms import apply_environment, forced
+
+# A whole run may take one form: MPX_TEST_FORM=gpu pytest (CONTRIBUTING.md).
+apply_environment()
 
 # The forms of the finite check and the skip, by the values of the tests' switch
-# MPX_TEST_FORM (mpx/_src/form_switch.py; CONTRIBUTING.md).
+# MPX_TEST_FORM (tests/lowering_forms.py; CONTRIBUTING.md).
 FORMS = {"one CPU device": "one-cpu", "several devices": "several-devices", "GPU form": "gpu"}
 
 
 @pytest.fixture(params=list(FORMS))
-def finite_check_form(request, monkeypatch):
+def finite_check_form(request):
   """Runs a test under each form of the finite check and the skip.
 
   The test process simulates 8 devices, where every leaf is reduced whole; on
@@ -32,7 +36,7 @@ def finite_check_form(request, monkeypatch):
   ``lax.cond``. A program lowered for a GPU checks every leaf whole and skips
   by a select instead (mpx/_src/skip.py): "GPU form" runs that program on
   the CPU. The skip guarantees must hold in all three. The fixture sets the
-  documented switch ``MPX_TEST_FORM`` and nothing else.
+  documented switch (tests/lowering_forms.py) and nothing else.
   """
-  monkeypatch.setenv("MPX_TEST_FORM", FORMS[request.param])
-  return request.param
+  with forced(FORMS[request.param]):
+    yield request.param

@@ -13,15 +13,14 @@ bounded multiple of its instructions per leaf, and the same per leaf at 50 and
 200 leaves. The benchmarks report the seconds (``python benchmarks/run.py``).
 """
 
-import os
 import pathlib
 import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from lowering_forms import forced
 
 import mpx
 
@@ -77,7 +76,7 @@ def hlo_sizes(leaves):
 def test_compiled_step_grows_linearly_and_like_the_hand_step():
   # On one CPU device the check takes the forms the benchmarks and most
   # users get (sums and folds), where the blow-up happened.
-  with mock.patch.dict(os.environ, {"MPX_TEST_FORM": "one-cpu"}):
+  with forced("one-cpu"):
     small, large = hlo_sizes(50), hlo_sizes(200)
   for name, hand_name in HAND_OF.items():
     (fusions, fused, conds, whiles), hand = large[name], large[hand_name]

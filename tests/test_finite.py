@@ -2,8 +2,6 @@
 check takes; finite values never refused, even where their sum overflows."""
 
 import math
-import os
-from unittest import mock
 
 import hypothesis.strategies as st
 import jax
@@ -12,6 +10,7 @@ import jax_versions
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from lowering_forms import forced
 
 import mpx
 from mpx._src import finite as finite_lib
@@ -21,9 +20,8 @@ DTYPES = [jnp.float16, jnp.float32, jnp.bfloat16]
 
 
 def form(single_cpu=True):
-  """Sets the tests' switch (``MPX_TEST_FORM``) set to the one-CPU or the several-device form."""
-  value = "one-cpu" if single_cpu else "several-devices"
-  return mock.patch.dict(os.environ, {"MPX_TEST_FORM": value})
+  """Sets the tests' switch to the one-CPU or the several-device form."""
+  return forced("one-cpu" if single_cpu else "several-devices")
 
 
 def traced(tree, single_cpu=True):

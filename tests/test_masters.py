@@ -21,6 +21,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from lowering_forms import forced
 from treecheck import round_to_bfloat16, skip_recorded, tree_equal
 
 import mpx
@@ -81,11 +82,15 @@ def grads_sequence(params, steps: int, seed: int):
 
 @pytest.mark.parametrize("form", ["CPU form", "GPU form"])
 @pytest.mark.parametrize("inner", ["sgd", "adamw"])
-def test_remainder_is_bitwise_full_over_whole_trajectories(inner, form, monkeypatch):
+def test_remainder_is_bitwise_full_over_whole_trajectories(inner, form):
   # The GPU form: the programs a GPU runs (a select instead of lax.cond), on
   # the CPU. (Across forms XLA:CPU may contract a * b + c differently; the
   # zoo compares both forms with float32 optax with contraction off.)
-  monkeypatch.setenv("MPX_TEST_FORM", "gpu" if form == "GPU form" else "")
+  with forced("gpu" if form == "GPU form" else None):
+    _check_remainder_is_bitwise_full(inner)
+
+
+def _check_remainder_is_bitwise_full(inner):
   params = hard_params(0)
   rule = optax.sgd(1.0) if inner == "sgd" else optax.adamw(3e-2, weight_decay=1e-2)
   seq = grads_sequence(params, 40, seed=1)

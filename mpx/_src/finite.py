@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import form_switch
+from mpx._src import lowering
 from mpx._src import tree as tree_lib
 
 # float16 leaves are folded _FOLD_WIDTH-fold, twice where that leaves _MIN_FOLD_SIZE.
@@ -54,11 +54,11 @@ def all_finite(tree: tree_lib.PyTree) -> jax.Array:
   if not all(bool(np.isfinite(x).all()) for x in on_host):
     return jnp.asarray(False)
   on_device = [x for x in leaves if not isinstance(x, (np.ndarray, np.generic, float))]
-  if not _single_cpu_device():
-    return _plain(on_device)
-  # The single-CPU forms suit XLA:CPU alone; a process with one CPU device may
-  # lower for another platform (ahead-of-time compilation).
-  return jax.lax.platform_dependent(on_device, cpu=_single_cpu, default=_plain)
+  # The sums and folds read leaves whole: on several devices they would
+  # gather leaves a mesh splits, so they are XLA:CPU's form on one device.
+  return lowering.by_platform(
+    on_device, cpu=_single_cpu, accelerator=_plain, cpu_needs_one_device=True
+  )
 
 
 def _plain(leaves: list[jax.Array]) -> jax.Array:
@@ -146,15 +146,6 @@ def _sums(
 def _elementwise_flags(leaves: list[jax.Array]) -> list[jax.Array]:
   """Returns one flag per group of leaves of one shape, of any size."""
   return [_folded_finite(group) for group in _groups(leaves, None)]
-
-
-def _single_cpu_device() -> bool:
-  """Returns whether the single-CPU-device forms apply: as ``MPX_TEST_FORM``
-  says where the tests set it (``form_switch``), else on one CPU device."""
-  forced = form_switch.forced_form()
-  if forced is not None:
-    return forced == form_switch.ONE_CPU
-  return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def _folded_finite(group: list[jax.Array]) -> jax.Array:

@@ -20,6 +20,7 @@ import optax
 from mpx._src import (
   compat,
   full_precision,
+  lowering,
   skip,
   state_search,
   storage,
@@ -387,15 +388,19 @@ def _moments_step(
 ) -> jax.Array:
   """Returns the step whose random bits compress the moments: ``applied_steps``,
   plus (XLA:CPU, one device) a zero that orders their writes (``_after``)."""
-  if jax.device_count() > 1 or not any(kind.compressed for kind in inner_layout.kinds):
-    return applied_steps  # an element of a sharded output would be all-gathered
+  if not any(kind.compressed for kind in inner_layout.kinds):
+    return applied_steps
   uncompressed = [
     v for v, kind in zip(new_inner_flat, inner_layout.kinds, strict=True) if not kind.compressed
   ]
-  zero = jax.lax.platform_dependent(
-    outputs + uncompressed, cpu=_after, default=lambda _: jnp.zeros((), jnp.int32)
+  return lowering.by_platform(
+    applied_steps,
+    outputs + uncompressed,
+    cpu=lambda steps, others: steps + _after(others),
+    accelerator=lambda steps, _: steps,
+    # An element of a sharded output would be all-gathered.
+    cpu_needs_one_device=True,
   )
-  return applied_steps + zero
 
 
 def _after(others: list[Any]) -> jax.Array:

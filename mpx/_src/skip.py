@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import compat, form_switch
+from mpx._src import compat, lowering
 
 
 def run_if_finite(
@@ -40,14 +40,12 @@ def run_if_finite(
     fuse a copy of the predicate (quadratic in the leaves).
   """
   traced, arrays = _jitted_on_arrays(step, args)
-  if gpu_form_on_cpu():
-    return _by_select(finite, traced, state, arrays)
-  return jax.lax.platform_dependent(
+  return lowering.by_platform(
     finite,
     state,
     arrays,
     cpu=lambda finite, state, arrays: _by_cond(finite, traced, state, arrays),
-    default=lambda finite, state, arrays: _by_select(finite, traced, state, arrays),
+    accelerator=lambda finite, state, arrays: _by_select(finite, traced, state, arrays),
   )
 
 
@@ -73,12 +71,6 @@ def _jitted_on_arrays(
     return step(state, *treedef.unflatten(leaves))
 
   return jax.jit(on_arrays), [x for x, array in zip(flat, is_array, strict=True) if array]
-
-
-def gpu_form_on_cpu() -> bool:
-  """Returns whether the tests' switch ``MPX_TEST_FORM=gpu`` asks for a GPU
-  program's forms (the select, ``all_finite``'s plain check) on the CPU too."""
-  return form_switch.forced_form() == form_switch.GPU
 
 
 def _by_cond(

@@ -19,10 +19,12 @@ if str(TESTS) not in sys.path:
   sys.path.insert(0, str(TESTS))
 
 import optax_zoo  # noqa: E402
+from lowering_forms import apply_environment  # noqa: E402
 
 
 def main(names: list[str]) -> None:
   """Checks each optimizer of ``names`` and prints its result line."""
+  apply_environment()  # the form the test asked for, MPX_TEST_FORM
   print("CONTRACTION_OFF", json.dumps(optax_zoo.contraction_off()), flush=True)
   for name in names:
     start = time.perf_counter()

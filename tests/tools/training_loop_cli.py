@@ -21,6 +21,7 @@ if str(TESTS) not in sys.path:
 
 import jax  # noqa: E402
 import training_loop as tl  # noqa: E402
+from lowering_forms import apply_environment  # noqa: E402
 
 
 def resume(mode: str, ckpt_root: str, out_file: str, steps: list[int]) -> None:
@@ -41,6 +42,7 @@ def resume(mode: str, ckpt_root: str, out_file: str, steps: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   """Parses the command line and runs the command."""
+  apply_environment()  # the form the test asked for, MPX_TEST_FORM
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   commands = parser.add_subparsers(dest="command", required=True)
   resume_parser = commands.add_parser("resume", help="restore checkpoints and train to the end")
