@@ -240,12 +240,11 @@ def _loss_scaling(
       for name, value in extra_args.items()
     }
     if hands_over:
-      # The mixed_precision computes the verdict and counts a skip in the
-      # state it was handed: read back here, it moves the scale.
-      new_updates, new_inner = inner.update(
-        updates, state.inner_state, params, unscaling=unscaling, **unscaled_extra
+      # The mixed_precision decides the verdict, on the gradients as its rule
+      # receives them, and returns it: it moves the scale.
+      new_updates, new_inner, finite = inner.update_with_verdict(
+        updates, state.inner_state, params, unscaling, **unscaled_extra
       )
-      finite = jnp.equal(new_inner.nonfinite_steps, state.inner_state.nonfinite_steps)
     else:
       new_updates, new_inner, finite = _general_step(
         inner, state.inner_state, updates, params, unscaling, unscaled_extra

@@ -128,11 +128,10 @@ def mixed_precision(
   def update_fn(
     updates: optax.Updates,
     state: Any,
-    params: optax.Params | None = None,
-    *,
-    unscaling: verdict.Unscaling | None = None,
+    params: optax.Params | None,
+    unscaling: verdict.Unscaling | None,
     **extra_args: Any,
-  ) -> tuple[optax.Updates, Any]:
+  ) -> tuple[optax.Updates, Any, jax.Array]:
     # 1. Validate the inputs and line them up leaf by leaf (at trace time).
     leaves, inner_layout = _checked_leaves(
       inner, mode, dtype, moments_format, updates, state, params, unscaling
@@ -164,7 +163,7 @@ def mixed_precision(
       state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32),
       inner_layout.tree(new_stored_inner),
     )
-    return leaves.tree(param_updates), new_state
+    return leaves.tree(param_updates), new_state, applied
 
   return verdict.TakesLossScaledGradients(init_fn, variables.through_linen_boxes(update_fn))
 

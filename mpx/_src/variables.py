@@ -196,19 +196,22 @@ def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
   updates boxed like the params and the state boxed like the state it got."""
 
   @functools.wraps(update_fn)
-  def update(updates: Any, state: Any, params: Any = None, **kwargs: Any) -> Any:
+  def update(updates: Any, state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
     box_type = _linen_box_type()
     is_box = lambda x: box_type is not None and isinstance(x, box_type)  # noqa: E731
     if params is None or not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
-      return update_fn(updates, state, params, **kwargs)
+      return update_fn(updates, state, params, *args, **kwargs)
 
     def unbox(tree: Any) -> Any:
       return jax.tree.map(lambda x: _unboxed(x) if is_box(x) else x, tree, is_leaf=is_box)
 
-    new_updates, new_state = update_fn(unbox(updates), unbox(state), unbox(params), **kwargs)
+    new_updates, new_state, *rest = update_fn(
+      unbox(updates), unbox(state), unbox(params), *args, **kwargs
+    )
     return (
       jax.tree_util.tree_unflatten(jax.tree.structure(params), jax.tree.leaves(new_updates)),
       jax.tree_util.tree_unflatten(jax.tree.structure(state), jax.tree.leaves(new_state)),
+      *rest,
     )
 
   return update

@@ -7,6 +7,7 @@ verdict, and who computes it".
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,14 +52,31 @@ jax.tree_util.register_dataclass(
 
 
 class TakesLossScaledGradients(optax.GradientTransformationExtraArgs):
-  """An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes the
-  raw loss-scaled gradients with an ``unscaling=`` :class:`Unscaling`,
-  computes the step's verdict itself and counts a skip in the
-  ``nonfinite_steps`` of its state. :func:`mpx.mixed_precision` returns one;
-  :func:`mpx.loss_scale` hands over to its inner transformation only if it is
-  one (decided when it is built, so nothing can sit between the two)."""
+  """An ``optax.GradientTransformationExtraArgs`` that also takes the raw
+  loss-scaled gradients: ``update_with_verdict(grads, state, params,
+  unscaling, **extra_args)`` unscales them with an :class:`Unscaling`,
+  decides the step's verdict itself and returns it, ``(updates, state,
+  finite)``. ``update`` is the same step with no loss scale.
+  :func:`mpx.mixed_precision` returns one; :func:`mpx.loss_scale` hands over
+  to its inner transformation only if it is one (decided when it is built, so
+  nothing can sit between the two)."""
 
-  __slots__ = ()
+  # No __slots__: an instance carries update_with_verdict beside optax's fields.
+  update_with_verdict: Callable[..., tuple[Any, Any, jax.Array]]
+
+  def __new__(
+    cls, init: optax.TransformInitFn, update_with_verdict: Callable[..., tuple[Any, Any, jax.Array]]
+  ) -> TakesLossScaledGradients:
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+      new_updates, new_state, _ = update_with_verdict(updates, state, params, None, **extra_args)
+      return new_updates, new_state
+
+    transformation = super().__new__(cls, init, update)
+    transformation.update_with_verdict = update_with_verdict
+    return transformation
+
+  def __getnewargs__(self) -> tuple[Any, ...]:  # copy and pickle rebuild by __new__
+    return (self.init, self.update_with_verdict)
 
 
 def received(grad: Any, dtype: Any, unscaling: Unscaling | None) -> Any:
