@@ -266,7 +266,13 @@ def test_tree_map_params_hands_rounding_keys_to_transform_non_params():
 # flax linen: params boxed by nn.with_partitioning, shardings from nn.get_sharding
 
 
-LINEN_MODES = [("stochastic", "full"), ("full", "8bit"), ("stochastic", "8bit")]
+# Both frictions at once (the key and the scales) in the quick run; each alone
+# in the slow one.
+LINEN_MODES = [
+  pytest.param("stochastic", "full", marks=pytest.mark.slow),
+  pytest.param("full", "8bit", marks=pytest.mark.slow),
+  ("stochastic", "8bit"),
+]
 
 
 def linen_setup(masters, moments):
