@@ -228,7 +228,9 @@ def _loss_scaling(
   def update_fn(updates, state, params=None, **extra_args):
     validation.check_state_type("loss_scale", state, LossScaleState)
     rule.check_state(state)
-    if params is not None:  # under shard_map: per-device gradients of replicated params
+    # Under shard_map: per-device gradients of replicated params (a
+    # mixed_precision handed the gradients checks them itself, leaf by leaf).
+    if params is not None and not hands_over:
       validation.check_gradients_vary_like_params("loss_scale", updates, params)
     validation.check_verdict_agrees("loss_scale", updates, state.loss_scale, axis_name)
     # The scale this step's loss was multiplied by, not the one about to be chosen.
