@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -141,10 +141,10 @@ def mixed_precision(
     # 3. The step on the masters; on a skipped step nothing is written.
     step = functools.partial(_step_on_masters, inner, inner_layout)
     stored_inner, _ = moments_lib.flatten_stored(state.inner_state)
-    (new_stored, new_stored_inner), handoffs, applied = skip.run_if_finite(
+    new, handoffs, applied = skip.run_if_finite(
       finite,
       step,
-      (leaves.stored, stored_inner),
+      _Stored(leaves.stored, stored_inner),
       leaves.without_stored(),
       unscaling,
       state.applied_steps,
@@ -154,14 +154,14 @@ def mixed_precision(
     param_updates = [
       kind.param_update(stored, handoff, param, applied)
       for kind, stored, handoff, param in zip(
-        leaves.kinds, new_stored, handoffs, leaves.params, strict=True
+        leaves.kinds, new.per_param, handoffs, leaves.params, strict=True
       )
     ]
     new_state = mode.state(
-      leaves.tree(new_stored),
+      leaves.tree(new.per_param),
       state.applied_steps + applied.astype(jnp.int32),
       state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32),
-      inner_layout.tree(new_stored_inner),
+      inner_layout.tree(new.inner),
     )
     return leaves.tree(param_updates), new_state, applied
 
@@ -203,7 +203,7 @@ def _checked_leaves(
 def _step_on_masters(
   inner: optax.GradientTransformationExtraArgs,
   inner_layout: _InnerLayout,
-  stored_state: tuple[list[Any], list[Any]],
+  stored: _Stored,
   leaves: _Leaves,
   unscaling: verdict.Unscaling | None,
   applied_steps: jax.Array,
@@ -211,18 +211,17 @@ def _step_on_masters(
 ) -> tuple[tuple[list[Any], list[Any]], list[Any]]:
   """Runs the inner rule on the master view and commits each leaf.
 
-  Returns ``((new_stored, new_stored_inner), handoffs)``: what the state
-  stores next, and what each leaf's ``param_update`` reads after the skip.
+  Returns ``(new stored, handoffs)``: what the state stores next, and what
+  each leaf's ``param_update`` reads after the skip.
   """
-  stored, stored_inner = stored_state
   grads = leaves.grads
   inner_state = inner_layout.tree(
-    [kind.decompress(s) for kind, s in zip(inner_layout.kinds, stored_inner, strict=True)]
+    [kind.decompress(s) for kind, s in zip(inner_layout.kinds, stored.inner, strict=True)]
   )
   received = [
     verdict.received(g, d, unscaling) for g, d in zip(grads, leaves.received_dtypes, strict=True)
   ]
-  masters = leaves.masters(stored)
+  masters = leaves.masters(stored.per_param)
   received_extra = {
     name: _received_like_grads(v, leaves) if name == verdict.EXTRA_GRADIENT_ARG else v
     for name, v in extra_args.items()
@@ -239,20 +238,28 @@ def _step_on_masters(
       leaves.kinds,
       masters,
       leaves.treedef.flatten_up_to(inner_updates),
-      stored,
+      stored.per_param,
       leaves.params,
       strict=True,
     )
   ]
-  new_stored = [s for s, _ in committed]
-  handoffs = [handoff for _, handoff in committed]
+  new_stored = [c.stored for c in committed]
+  handoffs = [c.handoff for c in committed]
   new_inner_flat = inner_layout.treedef.flatten_up_to(new_inner)
   moments_step = _moments_step(applied_steps, inner_layout, new_stored + handoffs, new_inner_flat)
   new_stored_inner = [
     kind.compress(value, moments_step)
     for kind, value in zip(inner_layout.kinds, new_inner_flat, strict=True)
   ]
-  return (new_stored, new_stored_inner), handoffs
+  return _Stored(new_stored, new_stored_inner), handoffs
+
+
+class _Stored(NamedTuple):
+  """What the state stores, flat: per param leaf, and per inner-state leaf;
+  the step's state, kept as it is on a skipped step."""
+
+  per_param: list[Any]
+  inner: list[Any]
 
 
 @dataclasses.dataclass(frozen=True)

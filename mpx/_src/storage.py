@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,14 @@ def _land(master: jax.Array, param: jax.Array) -> jax.Array:
   return jax.lax.select(exact, master, landed)
 
 
+class Committed(NamedTuple):
+  """What a kind's ``commit`` returns for one leaf."""
+
+  stored: Any  # what the state stores for the leaf after the step
+  handoff: Any  # what param_update reads after the skip (by kind: None,
+  # the new master, the new param, or the inner rule's update)
+
+
 class StorageKind(Protocol):
   """What one parameter leaf stores, and how a step moves it (the table above)."""
 
@@ -80,9 +88,9 @@ class StorageKind(Protocol):
   def view(self, stored: Any, param: Any) -> Any:
     """Returns the master: what the inner rule sees for this leaf."""
 
-  def commit(self, master: Any, update: Any, stored: Any, param: Any, step: Any) -> tuple[Any, Any]:
-    """Returns ``(new stored, handoff)``: what the state stores after the
-    inner rule's ``update`` of ``master``, and what ``param_update`` reads."""
+  def commit(self, master: Any, update: Any, stored: Any, param: Any, step: Any) -> Committed:
+    """Returns what the state stores after the inner rule's ``update`` of
+    ``master``, and what ``param_update`` reads."""
 
   def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> Any:
     """Returns the update that lands ``param`` on its new master's rounding
@@ -121,9 +129,9 @@ class NoMaster(_KeepsNoMaster):
     del stored
     return param
 
-  def commit(self, master: Any, update: Any, stored: Any, param: Any, step: Any) -> tuple[Any, Any]:
+  def commit(self, master: Any, update: Any, stored: Any, param: Any, step: Any) -> Committed:
     del master, param, step
-    return stored, update  # the inner rule's update leaves the cond as it is (zero if skipped)
+    return Committed(stored, update)  # the update leaves the cond as it is (zero if skipped)
 
   def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> Any:
     del stored, param, applied
@@ -148,11 +156,9 @@ class Copy:
     del param
     return stored
 
-  def commit(
-    self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any
-  ) -> tuple[Any, Any]:
+  def commit(self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any) -> Committed:
     del stored, param, step
-    return _add(master, update, self.master_dtype), None  # the new master is state
+    return Committed(_add(master, update, self.master_dtype), None)  # the new master is state
 
   def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
     """Returns the param ``master`` rounds to, in the param's dtype."""
@@ -188,11 +194,9 @@ class CopyTiesAway(Copy):
     del index, seed
     return rounding.canonical(jnp.asarray(sources(param)).astype(jnp.float32))
 
-  def commit(
-    self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any
-  ) -> tuple[Any, Any]:
+  def commit(self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any) -> Committed:
     del stored, step
-    return _land(_add(master, update, jnp.float32), param), None
+    return Committed(_land(_add(master, update, jnp.float32), param), None)
 
   def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
     del param
@@ -223,13 +227,11 @@ class Remainder:
   def view(self, stored: jax.Array, param: Any) -> jax.Array:
     return rounding.join(jnp.asarray(param), stored)
 
-  def commit(
-    self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any
-  ) -> tuple[Any, Any]:
+  def commit(self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any) -> Committed:
     del stored, step
     master = _land(_add(master, update, jnp.float32), param)
     # The new master leaves the cond: the param after it is its rounding.
-    return rounding.remainder(master), master
+    return Committed(rounding.remainder(master), master)
 
   def param_update(
     self, stored: Any, handoff: jax.Array, param: Any, applied: jax.Array
@@ -267,11 +269,11 @@ class Stochastic(_KeepsNoMaster):
 
   def commit(
     self, master: jax.Array, update: Any, stored: Any, param: Any, step: jax.Array
-  ) -> tuple[Any, Any]:
+  ) -> Committed:
     bits = rounding.random_bits(stored, step, np.shape(param))
     value = rounding.stochastic_round(_add(master, update, jnp.float32), bits)
     # The new param leaves the cond, as optax.apply_updates will land it.
-    return stored, rounding.landing(param, value)
+    return Committed(stored, rounding.landing(param, value))
 
   def param_update(
     self, stored: Any, handoff: jax.Array, param: Any, applied: jax.Array
