@@ -14,7 +14,6 @@ from typing import Any, cast
 
 import jax
 import numpy as np
-from optax.tree_utils import _state_utils
 
 from mpx._src import compat, moments
 from mpx._src import tree as tree_lib
@@ -112,7 +111,9 @@ def mapping_compressed_moments() -> Iterator[None]:
 def _is_optax_placeholder(tree: Any) -> bool:
   """Tells whether ``tree`` is the params placeholder of
   ``optax.tree_utils.tree_map_params`` (as ``optax.masked`` tells it)."""
-  placeholder = getattr(_state_utils, "_ParamsPlaceholder", None)
+  # A private name of optax's: looked up, never imported at mpx's import.
+  state_utils = sys.modules.get("optax.tree_utils._state_utils")
+  placeholder = getattr(state_utils, "_ParamsPlaceholder", None)
   if placeholder is not None:
     return isinstance(tree, placeholder)
   return type(tree).__name__ == "_ParamsPlaceholder"
