@@ -70,7 +70,17 @@ def shows(expected: str, printed: str) -> bool:
   expected, printed = normalised(expected), normalised(printed)
   if expected.endswith(ELIDED):
     return printed.startswith(expected[: -len(ELIDED)].rstrip())
-  return expected == printed or any(expected.startswith(printed + sep) for sep in PROSE)
+  return expected == printed or any(
+    expected.startswith(printed + sep) and _is_prose(expected[len(printed) + len(sep) :])
+    for sep in PROSE
+  )
+
+
+def _is_prose(rest: str) -> bool:
+  """Whether what follows a separator reads as words, not as more of a value
+  (``# 0.5, 0.25`` shows two values, not ``0.5`` and prose)."""
+  rest = rest.lstrip()
+  return rest[:1].isalpha() or rest[:1] == "`"
 
 
 def shows_all(expected: list[str], printed: list[str]) -> bool:
@@ -199,6 +209,7 @@ def test_the_checker_passes_what_is_shown():
     "for i in range(2):\n  print(i)\n# 0\n# 2",
     "print(0.2)  # 0.1...",
     "print('a')  # a b",
+    "print(0.5)  # 0.5, 0.25",
     "if False:\n  print(1)  # 1",
   ],
 )
