@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import skip, state_search, validation, verdict
+from mpx._src import adapters, skip, state_search, validation, verdict
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
 
@@ -220,7 +220,7 @@ def _loss_scaling(
   hands_over = isinstance(inner, verdict.TakesLossScaledGradients)
 
   def init_fn(params: optax.Params) -> LossScaleState:
-    validation.refuse_fp8_metadata("loss_scale", params)
+    adapters.refuse_fp8_metadata("loss_scale", params)
     inner_state = tree_lib.strong_types(inner.init(params))
     validation.refuse_rules_chained_after("loss_scale", inner_state)
     return rule.initial_state(inner_state)
@@ -238,7 +238,7 @@ def _loss_scaling(
     # L-BFGS's value= and grad= come from the scaled loss, like the gradients:
     # unscaled here, so its line search compares them with value_fn's loss.
     unscaled_extra = {
-      name: _unscale_all(value, unscaling) if name in verdict.EXTRA_ARGS_FROM_THE_LOSS else value
+      name: _unscale_all(value, unscaling) if name in adapters.EXTRA_ARGS_FROM_THE_LOSS else value
       for name, value in extra_args.items()
     }
     if hands_over:

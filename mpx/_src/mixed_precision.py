@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from mpx._src import (
+  adapters,
   compat,
   full_precision,
   lowering,
@@ -97,7 +98,7 @@ def mixed_precision(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> Any:
-    validation.refuse_fp8_metadata("mixed_precision", params)
+    adapters.refuse_fp8_metadata("mixed_precision", params)
     _require_dtype_enabled(dtype)
     sources = full_precision.full_precision_sources()
     paths, flat, treedef = _flatten(params)
@@ -223,7 +224,7 @@ def _step_on_masters(
   ]
   masters = leaves.masters(stored.per_param)
   received_extra = {
-    name: _received_like_grads(v, leaves) if name == verdict.EXTRA_GRADIENT_ARG else v
+    name: leaves.received_like_grads(v) if name == adapters.EXTRA_GRADIENT_ARG else v
     for name, v in extra_args.items()
   }
   inner_updates, new_inner = inner.update(
@@ -285,7 +286,7 @@ class _Leaves:
     paths, params_flat, treedef = _flatten(params)
     kinds = [mode.kind_for(p, dtype, path) for path, p in zip(paths, params_flat, strict=True)]
     stored_flat = _check_stored(mode, dtype, stored, paths, params_flat, kinds, treedef)
-    mirrored = validation.gradient_params(params)
+    mirrored = adapters.gradient_params(params)
     if mirrored is params:
       grad_treedef, grad_kinds, grad_params = treedef, kinds, params_flat
     else:
@@ -317,6 +318,15 @@ class _Leaves:
   def received_dtypes(self) -> list[Any]:
     """Returns the dtype each gradient is received in (None: as it is)."""
     return [kind.master_dtype for kind in self.grad_kinds]
+
+  def received_like_grads(self, value: Any) -> Any:
+    """Receives an extra argument shaped like the gradients as they are
+    received (``adapters.received_like_grads``); anything else as it is."""
+    receive = [
+      functools.partial(verdict.received, dtype=k.master_dtype, unscaling=None)
+      for k in self.grad_kinds
+    ]
+    return adapters.received_like_grads(value, self.grad_treedef, self.grad_shapes, receive)
 
   def masters(self, stored: list[Any]) -> list[Any]:
     """Returns the master view, leaf by leaf: what the inner rule sees."""
@@ -426,22 +436,6 @@ def _after(others: list[Any]) -> jax.Array:
   # A reduction, computed once: a scalar made of elementwise ops alone XLA
   # would fuse into every element of every compressed moment.
   return jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
-
-
-def _received_like_grads(value: Any, leaves: _Leaves) -> Any:
-  """Receives an extra argument shaped like the gradients (L-BFGS's ``grad=``):
-  each leaf received as its gradient is, so the inner rule never sees a
-  low-precision number. Anything else passes as it is."""
-  try:
-    flat = leaves.grad_treedef.flatten_up_to(value)
-  except (ValueError, TypeError):
-    return value
-  if any(np.shape(v) != shape for v, shape in zip(flat, leaves.grad_shapes, strict=True)):
-    return value
-  received = [
-    verdict.received(v, k.master_dtype, None) for v, k in zip(flat, leaves.grad_kinds, strict=True)
-  ]
-  return leaves.grad_tree(received)
 
 
 def _check_mode(masters: Any, dtype: Any) -> storage.Mode:

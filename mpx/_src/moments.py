@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import moment_codes, rounding
+from mpx._src import adapters, moment_codes, rounding
 from mpx._src import tree as tree_lib
 from mpx._src.moment_codes import SIGNS, Sign
 from mpx._src.states import (
@@ -29,12 +29,6 @@ DEFAULT_FIELDS = ("mu", "nu", "trace")
 # The fields a sequence of names takes as second moments (everything else
 # named is signed); a mapping names each field's sign.
 NONNEGATIVE_FIELDS = ("nu", "nu_max")
-# optax states whose fields break that naming rule: SM3 keeps its
-# accumulators of squares in ``mu`` and its momentum in ``nu``.
-KNOWN_SIGNS: dict[tuple[str, str], Sign] = {
-  ("ScaleBySM3State", "mu"): "nonnegative",
-  ("ScaleBySM3State", "nu"): "signed",
-}
 # Below this many elements a leaf is not worth a code (and a block scale).
 MIN_SIZE = 4096
 # Under "8bit", a last axis shorter than this is stored in bfloat16: a block
@@ -173,7 +167,7 @@ class MomentsFormat:
     state_name, field = owner
     sign = dict(self.fields)[field]
     if not self.signs_named:
-      sign = KNOWN_SIGNS.get((state_name, field), sign)
+      sign = adapters.KNOWN_SIGNS.get((state_name, field), sign)
     return EightBitCompressed(key, sign)
 
   def check_fields_exist(self, inner_state: Any) -> None:

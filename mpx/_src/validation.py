@@ -10,9 +10,8 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
-from mpx._src import compat, state_search
+from mpx._src import adapters, compat, state_search
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES
 
@@ -25,26 +24,6 @@ def check_transformation(inner: Any, name: str = "inner") -> None:
       f"got {type(inner).__name__}. Did you pass the factory instead of calling "
       "it, e.g. optax.adam instead of optax.adam(1e-3)?"
     )
-
-
-# flax.linen's fp8 layers keep their scales and amax histories in this
-# collection; its "gradients" are their new values (see refuse_fp8_metadata).
-FP8_COLLECTION = "_overwrite_with_gradient"
-
-
-def refuse_fp8_metadata(name: str, params: Any) -> None:
-  """Refuses flax fp8 metadata among the params: an optimizer would step on
-  the new values that come as their "gradients", and a skip would drop them."""
-  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if any(getattr(key, "key", None) == FP8_COLLECTION for key in path):
-      raise ValueError(
-        f"{name}: the params hold flax's {FP8_COLLECTION!r} collection (fp8 scales "
-        "and amax histories, at "
-        f"{tree_lib.path_str(path)!r}). Their 'gradients' are new values, not "
-        "gradients: give the optimizer variables['params'] only, and take the new "
-        "values when the step is applied (flax's TrainState splits the collection "
-        "off; see 'Train flax fp8 layers' in docs/howto.md for the skip-safe recipe)."
-      )
 
 
 def describe(leaf: Any) -> str:
@@ -70,12 +49,6 @@ def zip_leaves(
   flat, _ = jax.tree_util.tree_flatten_with_path(first, is_leaf=tree_lib.is_placeholder)
   for (path, a), b in zip(flat, second_def.flatten_up_to(second), strict=True):
     yield tree_lib.path_str(path) or "<root>", a, b
-
-
-def gradient_params(params: Any) -> Any:
-  """Returns the part of ``params`` that gradients mirror: the fast weights of
-  ``optax.lookahead``'s ``LookaheadParams``, else ``params``."""
-  return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def varying_axes(leaf: Any) -> frozenset[Any]:
@@ -125,7 +98,7 @@ def check_gradient_varies_like_param(name: str, path: str, grad: Any, param: Any
 def check_gradients_vary_like_params(name: str, grads: Any, params: Any) -> None:
   """Runs :func:`check_gradient_varies_like_param` on every leaf; trees that
   do not line up are left to :func:`check_grads_match_params` to name."""
-  params = gradient_params(params)
+  params = adapters.gradient_params(params)
   flat, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=tree_lib.is_placeholder)
   grads_def: Any = treedef
   if grads_def != jax.tree.structure(params, is_leaf=tree_lib.is_placeholder):
@@ -169,7 +142,7 @@ def check_own_verdict_agrees(name: str, grads: Any, counter: Any) -> None:
 
 
 def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
-  """Checks that ``grads`` have the structure of ``gradient_params(params)`` and
+  """Checks that ``grads`` have the structure of ``adapters.gradient_params(params)`` and
   each floating param a floating gradient of its shape (a broadcastable one
   would broadcast silently) or of it behind per-example axes; returns whether
   any are per-example (then see ``check_updates_reduced``)."""
@@ -180,7 +153,7 @@ def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
     )
 
   per_example = False
-  for path, grad, param in zip_leaves(grads, gradient_params(params), mismatch):
+  for path, grad, param in zip_leaves(grads, adapters.gradient_params(params), mismatch):
     if param is None and grad is not None:
       raise ValueError(
         f"{name}: gradient {path!r} is {describe(grad)} but its param is None: pass None "

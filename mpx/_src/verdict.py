@@ -20,11 +20,6 @@ from mpx._src import tree as tree_lib
 from mpx._src.finite import all_finite
 from mpx._src.states import MIXED_PRECISION_STATES
 
-# optax.lbfgs's extra arguments, computed from the (scaled) loss like the
-# gradients; "grad" is shaped like them.
-EXTRA_ARGS_FROM_THE_LOSS = ("value", "grad")
-EXTRA_GRADIENT_ARG = "grad"
-
 
 @dataclasses.dataclass(frozen=True)
 class Unscaling:
