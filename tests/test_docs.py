@@ -71,16 +71,16 @@ def shows(expected: str, printed: str) -> bool:
   if expected.endswith(ELIDED):
     return printed.startswith(expected[: -len(ELIDED)].rstrip())
   return expected == printed or any(
-    expected.startswith(printed + sep) and _is_prose(expected[len(printed) + len(sep) :])
+    expected.startswith(printed + sep) and _is_prose(sep, expected[len(printed) + len(sep) :])
     for sep in PROSE
   )
 
 
-def _is_prose(rest: str) -> bool:
-  """Whether what follows a separator reads as words, not as more of a value
-  (``# 0.5, 0.25`` shows two values, not ``0.5`` and prose)."""
+def _is_prose(sep: str, rest: str) -> bool:
+  """Whether what follows ``sep`` is prose: anything after ``:`` or `` (``; after
+  a comma, words (``# 0.5, 0.25`` shows two values, not ``0.5`` and prose)."""
   rest = rest.lstrip()
-  return rest[:1].isalpha() or rest[:1] == "`"
+  return sep != "," or rest[:1].isalpha() or rest[:1] == "`"
 
 
 def shows_all(expected: list[str], printed: list[str]) -> bool:
