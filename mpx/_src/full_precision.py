@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import rounding, states, validation
+from mpx._src import rounding, state_search, states, validation
 from mpx._src import tree as tree_lib
 
 # Keyed by leaf identity, which survives any wrapper's reshaping of the tree
@@ -133,12 +133,10 @@ def init_from_full_precision(
 def _stochastic_paths(opt_state: Any) -> list[str]:
   """The paths of the leaves that a ``masters="stochastic"`` state in
   ``opt_state`` rounds (for ``init_from_full_precision``'s message)."""
-  is_stochastic = lambda node: isinstance(node, states.MixedPrecisionStochasticState)  # noqa: E731
   paths = []
-  for node in jax.tree.leaves(opt_state, is_leaf=is_stochastic):
-    if is_stochastic(node):
-      keys, _ = jax.tree_util.tree_flatten_with_path(node.rounding_keys)
-      paths += [tree_lib.path_str(path) for path, _ in keys]
+  for state in state_search.find_states(opt_state, states.MixedPrecisionStochasticState):
+    keys, _ = jax.tree_util.tree_flatten_with_path(state.rounding_keys)
+    paths += [tree_lib.path_str(path) for path, _ in keys]
   return paths
 
 

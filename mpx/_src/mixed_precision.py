@@ -209,7 +209,7 @@ def _step_on_masters(
   unscaling: verdict.Unscaling | None,
   applied_steps: jax.Array,
   extra_args: dict[str, Any],
-) -> tuple[tuple[list[Any], list[Any]], list[Any]]:
+) -> tuple[_Stored, list[Any]]:
   """Runs the inner rule on the master view and commits each leaf.
 
   Returns ``(new stored, handoffs)``: what the state stores next, and what

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import optax
 
-from mpx._src import full_precision, state_search
+from mpx._src import full_precision, state_search, validation
 from mpx._src import tree as tree_lib
 from mpx._src.mixed_precision import master_params
 from mpx._src.states import MIXED_PRECISION_STATES
@@ -93,29 +93,20 @@ def _carried_over(new: Any, old: Any) -> Any:
 
 
 def _check_same_outside_masters(new: Any, old: Any) -> None:
-  """Raises a ValueError unless ``new`` and ``old`` hold leaves of the same shapes
-  and dtypes everywhere but in the stored masters."""
+  """Raises a ValueError unless ``old`` has the structure, shapes and dtypes of
+  ``new`` everywhere but in the stored masters."""
 
   def without_masters(state: Any) -> Any:
     return (state.applied_steps, state.nonfinite_steps, state.inner_state)
 
   def outside_masters(state: Any) -> Any:
-    without = state_search.replace_states(state, MIXED_PRECISION_STATES, without_masters)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), without)
+    return state_search.replace_states(state, MIXED_PRECISION_STATES, without_masters)
 
   try:
-    new_like, old_like = outside_masters(new), outside_masters(old)
-  except AttributeError:  # a leaf without shape: compare structures only
-    new_like, old_like = jax.tree.structure(new), jax.tree.structure(old)
-  new_structure: Any = jax.tree.structure(new_like)  # typed for ==
-  same_structure = new_structure == jax.tree.structure(old_like)
-  if not same_structure or any(
-    (a.shape, a.dtype) != (b.shape, b.dtype)
-    for a, b in zip(jax.tree.leaves(new_like), jax.tree.leaves(old_like), strict=True)
-  ):
+    validation.check_state_like("switch_masters", outside_masters(old), outside_masters(new))
+  except ValueError as error:
     raise ValueError(
       "switch_masters: tx's state differs from opt_state outside the masters (another "
       "rule, or another moments=?). Build tx as the run's transformation with only "
-      f"masters= changed.\n  tx: {jax.tree.structure(new_like)}\n  opt_state: "
-      f"{jax.tree.structure(old_like)}"
-    )
+      f"masters= changed. ({error})"
+    ) from error

@@ -77,17 +77,25 @@ def _rewrap(variable: Any, value: Any, param_shape: tuple[int, ...] | None) -> A
   None: ``value`` is the variable's own value)."""
   metadata = variable.get_metadata()
   axes = tuple(metadata.pop("out_sharding", None) or ())
-  shape = np.shape(value)
-  reference = shape if param_shape is None else param_shape
-  if len(axes) == len(shape):
-    axes = tuple(a if n == m else None for a, n, m in zip(axes, shape, reference, strict=True))
-  else:  # a scalar rounding key under a matrix's sharding
-    axes = ()
+  # () for a scalar rounding key under a matrix's sharding
+  axes = _on_param_axes(axes, np.shape(value), param_shape) or ()
   if any(a is not None for a in axes):
     metadata["out_sharding"] = axes
   if param_shape is None and metadata == variable.get_metadata():
     return variable
   return type(variable)(value, **metadata)
+
+
+def _on_param_axes(
+  axes: tuple[Any, ...], shape: tuple[int, ...], param_shape: tuple[int, ...] | None
+) -> tuple[Any, ...] | None:
+  """Returns ``axes`` (sharding entries or names, one per axis of the param)
+  kept where ``shape`` has the param's length (``param_shape``; None: the
+  leaf's own), or None if their counts differ."""
+  if len(axes) != len(shape):
+    return None
+  reference = shape if param_shape is None else param_shape
+  return tuple(a if n == m else None for a, n, m in zip(axes, shape, reference, strict=True))
 
 
 # Set while a caller of tree_map_params maps each compressed moment itself.
@@ -176,13 +184,8 @@ def _unboxed(box: Any) -> Any:
 def _rebox(box: Any, value: Any, param_shape: tuple[int, ...] | None) -> Any:
   """Boxes ``value`` like ``box``, its ``names`` kept on the axes where ``value``
   has the param's length (``param_shape``; None: ``box``'s own value)."""
-  names = tuple(box.names)
   shape = np.shape(value)
-  reference = shape if param_shape is None else param_shape
-  if len(names) == len(shape):
-    names = tuple(n if a == b else None for n, a, b in zip(names, shape, reference, strict=True))
-  else:
-    names = (None,) * len(shape)
+  names = _on_param_axes(tuple(box.names), shape, param_shape) or (None,) * len(shape)
   if param_shape is None and names == tuple(box.names):
     return box
   if dataclasses.is_dataclass(box):
