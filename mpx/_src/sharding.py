@@ -27,6 +27,11 @@ def _axes(entry: Any) -> tuple[str, ...]:
   return (entry,)
 
 
+def _devices_along(entry: Any, mesh: Mesh) -> int:
+  """Returns how many ways one PartitionSpec entry splits its dimension on ``mesh``."""
+  return math.prod(mesh.shape[name] for name in _axes(entry))
+
+
 def _param_spec(leaf: Any, mesh: Mesh, ndim: int) -> tuple[Any, ...]:
   """Returns the leaf's PartitionSpec on ``mesh``, padded to ``ndim``;
   replicated if it carries no NamedSharding on a mesh with the same axes."""
@@ -51,7 +56,7 @@ def _add_axis(
   size = mesh.shape[axis]
 
   def fits(dim: int) -> bool:
-    existing = math.prod(mesh.shape[name] for name in _axes(entries[dim]))
+    existing = _devices_along(entries[dim], mesh)
     return shape[dim] % (existing * size) == 0
 
   free = [d for d in range(len(shape)) if entries[d] is None and fits(d)]
@@ -181,6 +186,6 @@ def zero1_shardings(
 def _fitting(entries: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> tuple[Any, ...]:
   """Returns ``entries`` with each entry kept only where it divides ``shape``."""
   return tuple(
-    entry if shape[d] % math.prod(mesh.shape[name] for name in _axes(entry)) == 0 else None
+    entry if shape[d] % _devices_along(entry, mesh) == 0 else None
     for d, entry in enumerate(entries)
   )
