@@ -6,7 +6,6 @@ versions"), in bytes of scratch per parameter: ``python benchmarks/xla_cpu_figur
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import jax
@@ -17,20 +16,10 @@ import mpx
 from mpx._src import lowering
 
 
-@contextlib.contextmanager
-def _one_cpu_form():
-  """Lowers the one-CPU-device forms, as the tests' switch does."""
-  lowering.force_form(lowering.ONE_CPU)
-  try:
-    yield
-  finally:
-    lowering.force_form(None)
-
-
 def check_scratch(dtype, n: int = 1 << 20) -> float:
   """Measures the single-CPU finite check's scratch per element over ``n`` elements."""
   tree = {"w": jnp.ones((n // 1024, 1024), dtype), "b": jnp.ones(1024, dtype)}
-  with _one_cpu_form():
+  with lowering.forced(lowering.ONE_CPU):
     compiled = jax.jit(lambda tree: mpx.all_finite(tree)).lower(tree).compile()
   return compiled.memory_analysis().temp_size_in_bytes / n
 
@@ -45,7 +34,7 @@ def step_scratch(dtype, tx: optax.GradientTransformation) -> float:
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  with _one_cpu_form():
+  with lowering.forced(lowering.ONE_CPU):
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
   n = sum(math.prod(s) for s in shapes.values())
   return compiled.memory_analysis().temp_size_in_bytes / n

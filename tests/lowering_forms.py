@@ -4,23 +4,12 @@ Read here, outside mpx, and applied through mpx's seam
 ``mpx._src.lowering.force_form``; CONTRIBUTING.md documents the values.
 """
 
-import contextlib
 import os
 
 from mpx._src import lowering
+from mpx._src.lowering import forced  # noqa: F401 (the tests' context manager)
 
 ENVIRONMENT_VARIABLE = "MPX_TEST_FORM"
-
-
-@contextlib.contextmanager
-def forced(form: str | None):
-  """Lowers every step traced inside to ``form``'s programs (None: the process's own)."""
-  before = lowering.forced_form()
-  lowering.force_form(form or None)
-  try:
-    yield
-  finally:
-    lowering.force_form(before)
 
 
 def apply_environment() -> None:

@@ -7,7 +7,8 @@ platforms, one step", lists each with its reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -36,6 +37,18 @@ def force_form(form: str | None) -> None:
 def forced_form() -> str | None:
   """Returns the form :func:`force_form` set, or None."""
   return _forced
+
+
+@contextlib.contextmanager
+def forced(form: str | None) -> Iterator[None]:
+  """Lowers every step traced inside to ``form``'s programs (None: the
+  process's own), then restores the form before it."""
+  before = _forced
+  force_form(form)
+  try:
+    yield
+  finally:
+    force_form(before)
 
 
 def by_platform(
