@@ -4,7 +4,6 @@
 masters; wrap it in ``mpx.loss_scale`` for float16.
 """
 
-from mpx._src.finite import all_finite
 from mpx._src.full_precision import init_from_full_precision
 from mpx._src.hyperparams import adjust
 from mpx._src.loss_scale import (
@@ -28,6 +27,7 @@ from mpx._src.states import (
 from mpx._src.switch import switch_masters
 from mpx._src.sync import sync_masters
 from mpx._src.tree import cast_tree, select_tree
+from mpx._src.verdict import all_finite
 
 __version__ = "0.1.0"
 

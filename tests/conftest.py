@@ -32,9 +32,9 @@ def finite_check_form(request):
 
   The test process simulates 8 devices, where every leaf is reduced whole; on
   one CPU device (the demo, the benchmarks, most users' laptops) leaves are
-  summed or folded instead (see mpx/_src/finite.py). Both skip inside a
+  summed or folded instead (``verdict._single_cpu``). Both skip inside a
   ``lax.cond``. A program lowered for a GPU checks every leaf whole and skips
-  by a select instead (mpx/_src/skip.py): "GPU form" runs that program on
+  by a select instead (``verdict.run_if_finite``): "GPU form" runs that program on
   the CPU. The skip guarantees must hold in all three. The fixture sets the
   documented switch (tests/lowering_forms.py) and nothing else.
   """

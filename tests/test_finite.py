@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from lowering_forms import forced
 
 import mpx
-from mpx._src import finite as finite_lib
+from mpx._src import verdict as finite_lib
 
 SHAPES = [(7,), (16 * 1024,), (16 * 1024 + 5,), (3, 16 * 1024 + 1), (1 << 19,), ((1 << 19) + 17,)]
 DTYPES = [jnp.float16, jnp.float32, jnp.bfloat16]

@@ -1,12 +1,15 @@
 """What other libraries' rules and layers need of mpx, kept out of the step.
 
-optax's lookahead, L-BFGS and SM3, and flax's fp8 layers; flax's and optax's
-boxes around state leaves live in :mod:`mpx._src.variables`.
+optax's lookahead, L-BFGS and SM3, flax's fp8 layers, and the flax linen
+boxes an ``update`` may receive; fitting the boxes around state leaves at
+``init`` lives in :mod:`mpx._src.variables`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,6 +17,7 @@ import numpy as np
 import optax
 
 from mpx._src import tree as tree_lib
+from mpx._src import verdict
 from mpx._src.moment_codes import Sign
 
 # optax.lookahead: the gradients mirror the fast weights of LookaheadParams.
@@ -31,22 +35,18 @@ EXTRA_ARGS_FROM_THE_LOSS = ("value", "grad")
 EXTRA_GRADIENT_ARG = "grad"
 
 
-def received_like_grads(
-  value: Any,
-  grad_treedef: Any,
-  grad_shapes: Sequence[tuple[int, ...]],
-  receive: Sequence[Callable[[Any], Any]],
-) -> Any:
+def received_like_grads(value: Any, grad_treedef: Any, grads: list[Any], dtypes: list[Any]) -> Any:
   """Receives an extra argument shaped like the gradients (L-BFGS's ``grad=``)
-  leaf by leaf as each gradient is (``receive``), so the inner rule never sees
-  a low-precision number. Anything else passes as it is."""
+  leaf by leaf in the dtype each gradient is received in (``dtypes``), so the
+  inner rule never sees a low-precision number. Anything else passes as it is."""
   try:
     flat = grad_treedef.flatten_up_to(value)
   except (ValueError, TypeError):
     return value
-  if any(np.shape(v) != shape for v, shape in zip(flat, grad_shapes, strict=True)):
+  if any(np.shape(v) != np.shape(g) for v, g in zip(flat, grads, strict=True)):
     return value
-  return grad_treedef.unflatten([f(v) for f, v in zip(receive, flat, strict=True)])
+  received = [verdict.received(v, d, None) for v, d in zip(flat, dtypes, strict=True)]
+  return grad_treedef.unflatten(received)
 
 
 # optax's scale_by_sm3 keeps its accumulators of squares in ``mu`` and its
@@ -74,3 +74,43 @@ def refuse_fp8_metadata(name: str, params: Any) -> None:
         "values when the step is applied (flax's TrainState splits the collection "
         "off; see 'Train flax fp8 layers' in docs/howto.md for the skip-safe recipe)."
       )
+
+
+# flax.linen's boxes (nn.Partitioned) around params, gradients and state leaves.
+
+
+def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps a ``mixed_precision`` ``update`` to take params, gradients and state
+  in flax linen boxes (``nn.Partitioned``, e.g. a linen ``TrainState`` with
+  ``nn.with_partitioning``): it runs on the unboxed trees, and returns the
+  updates boxed like the params and the state boxed like the state it got."""
+
+  @functools.wraps(update_fn)
+  def update(updates: Any, state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    meta = sys.modules.get("flax.core.meta")  # flax not imported: no box to see
+    box_type = None if meta is None else meta.AxisMetadata
+    if box_type is None or params is None:
+      return update_fn(updates, state, params, *args, **kwargs)
+    is_box = lambda x: isinstance(x, box_type)  # noqa: E731
+    if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
+      return update_fn(updates, state, params, *args, **kwargs)
+
+    def unbox(tree: Any) -> Any:
+      return jax.tree.map(lambda x: unboxed(x) if is_box(x) else x, tree, is_leaf=is_box)
+
+    new_updates, new_state, *rest = update_fn(
+      unbox(updates), unbox(state), unbox(params), *args, **kwargs
+    )
+    return (
+      jax.tree_util.tree_unflatten(jax.tree.structure(params), jax.tree.leaves(new_updates)),
+      jax.tree_util.tree_unflatten(jax.tree.structure(state), jax.tree.leaves(new_state)),
+      *rest,
+    )
+
+  return update
+
+
+def unboxed(box: Any) -> Any:
+  """Returns what a linen box holds, with no sharding constraint (``nn.Partitioned``
+  applies one under a mesh)."""
+  return box.value if hasattr(box, "value") else box.unbox()

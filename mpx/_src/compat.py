@@ -25,29 +25,6 @@ def jax_at_least(version: str) -> bool:
   return _version(version) <= JAX
 
 
-def shape_dtype_struct_like(x: Any) -> jax.ShapeDtypeStruct:
-  """Returns ``jax.ShapeDtypeStruct.like(x)`` (jax >= 0.10.2), built from
-  ``jax.typeof`` below. Pinned by tests/test_fault_injection.py."""
-  like = getattr(jax.ShapeDtypeStruct, "like", None)
-  if like is not None:
-    return like(x)
-  aval = jax.typeof(x)
-  sharding = getattr(aval, "sharding", None)
-  if sharding is not None and getattr(sharding.mesh, "empty", False):
-    sharding = None  # an abstract sharding of no mesh: what `like` leaves out
-  return jax.ShapeDtypeStruct(
-    aval.shape, aval.dtype, sharding=sharding, weak_type=getattr(aval, "weak_type", False)
-  )
-
-
-def varying_axes_of(aval: Any) -> frozenset[Any]:
-  """Returns the mesh axes a value of type ``aval`` varies over in ``shard_map``:
-  ``manual_axis_type.varying`` (jax 0.10), ``vma`` (0.6.1 to 0.9), else none.
-  Pinned by tests/test_shard_map_vma.py."""
-  manual = getattr(aval, "manual_axis_type", None)
-  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
-
-
 FLOAT8_NEEDS_JAX = "0.7.0"
 
 

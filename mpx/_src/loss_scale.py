@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import adapters, skip, state_search, validation, verdict
+from mpx._src import adapters, state_search, validation, verdict
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
 
@@ -204,11 +204,6 @@ def _positive_int(name: str, value: Any) -> int:
   return as_int
 
 
-def _inverse(scale: jax.Array) -> jax.Array:
-  """Returns ``1 / scale`` in float32, which unscaling multiplies by (exact for powers of two)."""
-  return (1.0 / scale).astype(jnp.float32)
-
-
 def _loss_scaling(
   inner: optax.GradientTransformation, rule: ScaleRule, axis_name: Any
 ) -> optax.GradientTransformationExtraArgs:
@@ -226,15 +221,14 @@ def _loss_scaling(
     return rule.initial_state(inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
-    validation.check_state_type("loss_scale", state, LossScaleState)
+    # A mixed_precision handed the gradients checks them itself, leaf by leaf.
+    per_example = validation.check_loss_scale_inputs(
+      updates, state, params, axis_name, None if hands_over else inner.init
+    )
     rule.check_state(state)
-    # Under shard_map: per-device gradients of replicated params (a
-    # mixed_precision handed the gradients checks them itself, leaf by leaf).
-    if params is not None and not hands_over:
-      validation.check_gradients_vary_like_params("loss_scale", updates, params)
-    validation.check_verdict_agrees("loss_scale", updates, state.loss_scale, axis_name)
     # The scale this step's loss was multiplied by, not the one about to be chosen.
-    unscaling = verdict.Unscaling(_inverse(state.loss_scale), rule.min_scale >= 1.0, axis_name)
+    inverse_scale = (1.0 / state.loss_scale).astype(jnp.float32)
+    unscaling = verdict.Unscaling(inverse_scale, rule.min_scale >= 1.0, axis_name)
     # L-BFGS's value= and grad= come from the scaled loss, like the gradients:
     # unscaled here, so its line search compares them with value_fn's loss.
     unscaled_extra = {
@@ -249,7 +243,7 @@ def _loss_scaling(
       )
     else:
       new_updates, new_inner, finite = _general_step(
-        inner, state.inner_state, updates, params, unscaling, unscaled_extra
+        inner, state.inner_state, updates, params, unscaling, unscaled_extra, per_example
       )
     return new_updates, rule.adjust(state, finite)._replace(inner_state=new_inner)
 
@@ -263,18 +257,13 @@ def _general_step(
   params: Any,
   unscaling: verdict.Unscaling,
   extra_args: dict[str, Any],
+  per_example: bool,
 ) -> tuple[Any, Any, jax.Array]:
   """Runs ``loss_scale`` around anything but a ``mixed_precision`` given directly:
   ``(updates, inner_state, finite)``. The verdict is taken on the gradients
   before ``inner`` runs, inside one ``lax.cond``; a ``mixed_precision`` deeper
   inside may still skip (a rule in front of it made an inf), and then the
   whole inner state is rolled back, so nothing around it advances either."""
-  per_example = params is not None and validation.check_grads_match_params(
-    "loss_scale", grads, params
-  )
-  if params is not None:
-    expected = jax.eval_shape(inner.init, params)
-    validation.check_state_like("loss_scale", inner_state, expected, "inner_state/")
   flat = jax.tree.leaves(grads)
   finite = verdict.gradients_finite(flat, [None] * len(flat), unscaling)
   rolls_back = verdict.holds_mixed_precision(inner_state)
@@ -283,18 +272,18 @@ def _general_step(
     # Unscaled inside the cond, so the float32 copy fuses into the update.
     grads = _unscale_all(grads, unscaling)
     updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
-    validation.check_state_types_kept("loss_scale", new_inner, inner_state)
+    # Per-example gradients: the inner rule must have reduced the leading axes.
+    reduced_like = params if per_example else None
+    validation.check_inner_results("loss_scale", updates, new_inner, inner_state, reduced_like)
     if not rolls_back:
       return new_inner, (updates, jnp.asarray(True))
     applied = verdict.agreed(verdict.no_skip_counted(inner_state, new_inner), unscaling.axis_name)
     new_inner = _roll_back_unless(applied, new_inner, inner_state, unscaling.axis_name)
     return new_inner, (updates, applied)
 
-  new_inner, (updates, inner_applied), _ = skip.run_if_finite(
+  new_inner, (updates, inner_applied), _ = verdict.run_if_finite(
     finite, step, inner_state, grads, params, unscaling, extra_args
   )
-  if per_example:  # the inner rule must have reduced the leading axes
-    validation.check_updates_reduced("loss_scale", updates, params)
   if rolls_back:  # zeroed after the cond, where the select fuses into the apply
     updates = jax.tree.map(lambda u: _select_leaf(inner_applied, u, jnp.zeros_like(u)), updates)
   return updates, new_inner, jnp.logical_and(finite, inner_applied)
@@ -497,4 +486,6 @@ def unscale(grads: tree_lib.PyTree, opt_state: optax.OptState) -> tree_lib.PyTre
     >>> mpx.unscale({"w": jnp.array([8.0, 2.0], jnp.float16)}, state)
     {'w': Array([2. , 0.5], dtype=float32)}
   """
-  return _unscale_all(grads, verdict.Unscaling(_inverse(get_loss_scale(opt_state)), True))
+  return _unscale_all(
+    grads, verdict.Unscaling((1.0 / get_loss_scale(opt_state)).astype(jnp.float32), True)
+  )

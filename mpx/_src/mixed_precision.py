@@ -21,8 +21,6 @@ from mpx._src import (
   adapters,
   compat,
   full_precision,
-  lowering,
-  skip,
   state_search,
   storage,
   validation,
@@ -103,27 +101,20 @@ def mixed_precision(
     sources = full_precision.full_precision_sources()
     paths, flat, treedef = _flatten(params)
     compat.check_float8_supported({getattr(p, "dtype", None) for p in flat})
+    kinds = [mode.kind_for(param, dtype, path) for path, param in zip(paths, flat, strict=True)]
     stored = [
-      mode.kind_for(param, dtype, path).init(param, sources, index, seed)
-      for index, (path, param) in enumerate(zip(paths, flat, strict=True))
+      kind.init(param, sources, index, seed)
+      for index, (kind, param) in enumerate(zip(kinds, flat, strict=True))
     ]
-    leaves = _Leaves.align(mode, dtype, None, params, treedef.unflatten(stored))
-    inner_state = tree_lib.strong_types(inner.init(leaves.tree(leaves.masters(leaves.stored))))
+    masters = [kind.view(s, p) for kind, s, p in zip(kinds, stored, flat, strict=True)]
+    inner_state = tree_lib.strong_types(inner.init(treedef.unflatten(masters)))
     _refuse_loss_scale_inside(inner_state)
     moments_format.check_fields_exist(inner_state)
     # Two arrays, not one: a step that donates the state donates each buffer once.
     applied_steps, nonfinite_steps = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-    flat_inner, inner_treedef = _flatten_leaves(inner_state)
-    stored_inner = [
-      kind.compress(value, applied_steps)
-      for kind, value in zip(moments_format.kinds(inner_state), flat_inner, strict=True)
-    ]
-    state = mode.state(
-      treedef.unflatten(stored),
-      applied_steps,
-      nonfinite_steps,
-      inner_treedef.unflatten(stored_inner),
-    )
+    if moments_format.compresses:
+      inner_state = moments_format.compress(inner_state, applied_steps)
+    state = mode.state_type(treedef.unflatten(stored), applied_steps, nonfinite_steps, inner_state)
     return variables.fit_variables(state, moments_format.name, linen_boxes=True)
 
   def update_fn(
@@ -133,20 +124,19 @@ def mixed_precision(
     unscaling: verdict.Unscaling | None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, Any, jax.Array]:
-    # 1. Validate the inputs and line them up leaf by leaf (at trace time).
-    leaves, inner_layout = _checked_leaves(
-      inner, mode, dtype, moments_format, updates, state, params, unscaling
-    )
+    # 1. Check the inputs against each other, and line them up leaf by leaf
+    #    (at trace time; what init would build for these params is the reference).
+    validation.check_mixed_precision_inputs(updates, state, params, unscaling is None, init_like)
+    leaves = _Leaves.align(mode, dtype, updates, params, getattr(state, mode.stored_field))
     # 2. The verdict, on each gradient as the inner rule will receive it.
     finite = verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling)
     # 3. The step on the masters; on a skipped step nothing is written.
-    step = functools.partial(_step_on_masters, inner, inner_layout)
-    stored_inner, _ = moments_lib.flatten_stored(state.inner_state)
-    new, handoffs, applied = skip.run_if_finite(
+    step = functools.partial(_step_on_masters, inner, moments_format)
+    new, handoffs, applied = verdict.run_if_finite(
       finite,
       step,
-      _Stored(leaves.stored, stored_inner),
-      leaves.without_stored(),
+      _Stored(leaves.stored, state.inner_state),
+      dataclasses.replace(leaves, stored=[]),  # the step gets them as its state
       unscaling,
       state.applied_steps,
       extra_args,
@@ -158,52 +148,35 @@ def mixed_precision(
         leaves.kinds, new.per_param, handoffs, leaves.params, strict=True
       )
     ]
-    new_state = mode.state(
-      leaves.tree(new.per_param),
+    new_state = mode.state_type(
+      leaves.treedef.unflatten(new.per_param),
       state.applied_steps + applied.astype(jnp.int32),
       state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32),
-      inner_layout.tree(new.inner),
+      new.inner,
     )
-    return leaves.tree(param_updates), new_state, applied
+    return leaves.treedef.unflatten(param_updates), new_state, applied
 
-  return verdict.TakesLossScaledGradients(init_fn, variables.through_linen_boxes(update_fn))
+  def init_like(params: Any) -> Any:
+    """Returns the abstract state ``init`` builds for params shaped like ``params``."""
+    paths, flat, treedef = _flatten(params)
+    kinds = [mode.kind_for(p, dtype, path) for path, p in zip(paths, flat, strict=True)]
+    masters_like = [
+      p if k.master_dtype is None else jax.ShapeDtypeStruct(np.shape(p), k.master_dtype)
+      for k, p in zip(kinds, flat, strict=True)
+    ]
+    inner_like = jax.eval_shape(inner.init, treedef.unflatten(masters_like))
+    if moments_format.compresses:
+      inner_like = moments_format.stored_like(inner_like)
+    stored_like = [k.stored_like(p) for k, p in zip(kinds, flat, strict=True)]
+    counter = jax.ShapeDtypeStruct((), jnp.int32)
+    return mode.state_type(treedef.unflatten(stored_like), counter, counter, inner_like)
 
-
-def _checked_leaves(
-  inner: optax.GradientTransformationExtraArgs,
-  mode: storage.Mode,
-  dtype: Any,
-  moments_format: moments_lib.MomentsFormat,
-  grads: Any,
-  state: Any,
-  params: Any,
-  unscaling: verdict.Unscaling | None,
-) -> tuple[_Leaves, _InnerLayout]:
-  """Checks one step's inputs against each other and lines them up leaf by
-  leaf; raises a ValueError naming the leaf and the fix."""
-  if params is None:
-    raise ValueError(
-      "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
-    )
-  validation.check_state_type("mixed_precision", state, mode.state_type)
-  leaves = _Leaves.align(mode, dtype, grads, params, mode.stored(state))
-  if unscaling is None:  # no loss_scale to agree the verdict across devices
-    validation.check_own_verdict_agrees("mixed_precision", grads, state.applied_steps)
-  inner_like = jax.eval_shape(inner.init, leaves.tree(leaves.master_shapes()))
-  inner_flat_like, inner_treedef = _flatten_leaves(inner_like)
-  inner_layout = _InnerLayout(moments_format.kinds(inner_like), inner_treedef)
-  stored_like = [
-    kind.stored_like(x) for kind, x in zip(inner_layout.kinds, inner_flat_like, strict=True)
-  ]
-  validation.check_state_like(
-    "mixed_precision", state.inner_state, inner_layout.tree(stored_like), "inner_state/"
-  )
-  return leaves, inner_layout
+  return verdict.TakesLossScaledGradients(init_fn, adapters.through_linen_boxes(update_fn))
 
 
 def _step_on_masters(
   inner: optax.GradientTransformationExtraArgs,
-  inner_layout: _InnerLayout,
+  moments_format: moments_lib.MomentsFormat,
   stored: _Stored,
   leaves: _Leaves,
   unscaling: verdict.Unscaling | None,
@@ -215,24 +188,32 @@ def _step_on_masters(
   Returns ``(new stored, handoffs)``: what the state stores next, and what
   each leaf's ``param_update`` reads after the skip.
   """
-  grads = leaves.grads
-  inner_state = inner_layout.tree(
-    [kind.decompress(s) for kind, s in zip(inner_layout.kinds, stored.inner, strict=True)]
-  )
   received = [
-    verdict.received(g, d, unscaling) for g, d in zip(grads, leaves.received_dtypes, strict=True)
+    verdict.received(g, d, unscaling)
+    for g, d in zip(leaves.grads, leaves.received_dtypes, strict=True)
   ]
-  masters = leaves.masters(stored.per_param)
+  masters = [
+    k.view(s, p) for k, s, p in zip(leaves.kinds, stored.per_param, leaves.params, strict=True)
+  ]
+  inner_state = stored.inner
+  if moments_format.compresses:
+    inner_state = moments_lib.decompressed(inner_state)
+  # optax.lbfgs's grad= is received as the gradients are.
   received_extra = {
-    name: leaves.received_like_grads(v) if name == adapters.EXTRA_GRADIENT_ARG else v
-    for name, v in extra_args.items()
+    name: adapters.received_like_grads(
+      value, leaves.grad_treedef, leaves.grads, leaves.received_dtypes
+    )
+    if name == adapters.EXTRA_GRADIENT_ARG
+    else value
+    for name, value in extra_args.items()
   }
+  masters_tree = leaves.treedef.unflatten(masters)
   inner_updates, new_inner = inner.update(
-    leaves.grad_tree(received), inner_state, leaves.tree(masters), **received_extra
+    leaves.grad_treedef.unflatten(received), inner_state, masters_tree, **received_extra
   )
-  # Per-example gradients (DP-SGD) pass validation only if reduced here.
-  validation.check_updates_reduced("mixed_precision", inner_updates, leaves.tree(masters))
-  validation.check_state_types_kept("mixed_precision", new_inner, inner_state)
+  validation.check_inner_results(
+    "mixed_precision", inner_updates, new_inner, inner_state, masters_tree
+  )
   committed = [
     kind.commit(master, update, s, param, applied_steps)
     for kind, master, update, s, param in zip(
@@ -246,29 +227,26 @@ def _step_on_masters(
   ]
   new_stored = [c.stored for c in committed]
   handoffs = [c.handoff for c in committed]
-  new_inner_flat = inner_layout.treedef.flatten_up_to(new_inner)
-  moments_step = _moments_step(applied_steps, inner_layout, new_stored + handoffs, new_inner_flat)
-  new_stored_inner = [
-    kind.compress(value, moments_step)
-    for kind, value in zip(inner_layout.kinds, new_inner_flat, strict=True)
-  ]
-  return _Stored(new_stored, new_stored_inner), handoffs
+  if moments_format.compresses:
+    new_inner = moments_format.compress(new_inner, applied_steps, new_stored + handoffs)
+  return _Stored(new_stored, new_inner), handoffs
 
 
 class _Stored(NamedTuple):
-  """What the state stores, flat: per param leaf, and per inner-state leaf;
-  the step's state, kept as it is on a skipped step."""
+  """What the state stores: per param leaf (flat), and the inner state (as
+  stored); the step's state, kept as it is on a skipped step."""
 
   per_param: list[Any]
-  inner: list[Any]
+  inner: Any
 
 
 @dataclasses.dataclass(frozen=True)
 class _Leaves:
   """One step's params and what is stored for them, lined up leaf for leaf
   (``MaskedNode`` where a param has nothing stored) with each leaf's storage
-  kind; and the gradients, lined up with the params they mirror (all of them,
-  or ``optax.lookahead``'s fast weights), with their kinds."""
+  kind; and the gradients, with the dtype each is received in (None: as it
+  is). The gradients mirror the params (``adapters.gradient_params``: all of
+  them, or ``optax.lookahead``'s fast weights)."""
 
   treedef: Any
   kinds: list[storage.StorageKind]
@@ -276,166 +254,47 @@ class _Leaves:
   stored: list[Any]
   grads: list[Any]
   grad_treedef: Any
-  grad_kinds: list[storage.StorageKind]
-  grad_shapes: list[tuple[int, ...]]
+  received_dtypes: list[Any]
 
   @classmethod
   def align(cls, mode: storage.Mode, dtype: Any, grads: Any, params: Any, stored: Any) -> _Leaves:
-    """Lines the trees up, checking each against the others (naming the leaf
-    and the fix). ``grads`` is None at ``init``."""
+    """Lines the trees up (checked against each other before)."""
     paths, params_flat, treedef = _flatten(params)
     kinds = [mode.kind_for(p, dtype, path) for path, p in zip(paths, params_flat, strict=True)]
-    stored_flat = _check_stored(mode, dtype, stored, paths, params_flat, kinds, treedef)
     mirrored = adapters.gradient_params(params)
-    if mirrored is params:
-      grad_treedef, grad_kinds, grad_params = treedef, kinds, params_flat
-    else:
-      grad_paths, grad_params, grad_treedef = _flatten(mirrored)
+    grad_kinds = kinds
+    if mirrored is not params:
+      grad_paths, grad_params, _ = _flatten(mirrored)
       grad_kinds = [
         mode.kind_for(p, dtype, q) for q, p in zip(grad_paths, grad_params, strict=True)
       ]
-    grads_flat: list[Any] = []
-    if grads is not None:
-      validation.check_grads_match_params("mixed_precision", grads, params)
-      grads_flat = grad_treedef.flatten_up_to(grads)
-    grad_shapes = [np.shape(p) for p in grad_params]
+    grad_treedef: Any = jax.tree.structure(mirrored, is_leaf=tree_lib.is_masked_node)
     return cls(
-      treedef, kinds, params_flat, stored_flat, grads_flat, grad_treedef, grad_kinds, grad_shapes
+      treedef,
+      kinds,
+      params_flat,
+      treedef.flatten_up_to(stored),
+      grad_treedef.flatten_up_to(grads),
+      grad_treedef,
+      [kind.master_dtype for kind in grad_kinds],
     )
 
-  def without_stored(self) -> _Leaves:
-    """Returns these leaves without what is stored: the step receives that as
-    its state, so it is passed to the step once."""
-    return dataclasses.replace(self, stored=[])
 
-  def tree(self, flat: list[Any]) -> Any:
-    return self.treedef.unflatten(flat)
-
-  def grad_tree(self, flat: list[Any]) -> Any:
-    return self.grad_treedef.unflatten(flat)
-
-  @property
-  def received_dtypes(self) -> list[Any]:
-    """Returns the dtype each gradient is received in (None: as it is)."""
-    return [kind.master_dtype for kind in self.grad_kinds]
-
-  def received_like_grads(self, value: Any) -> Any:
-    """Receives an extra argument shaped like the gradients as they are
-    received (``adapters.received_like_grads``); anything else as it is."""
-    receive = [
-      functools.partial(verdict.received, dtype=k.master_dtype, unscaling=None)
-      for k in self.grad_kinds
-    ]
-    return adapters.received_like_grads(value, self.grad_treedef, self.grad_shapes, receive)
-
-  def masters(self, stored: list[Any]) -> list[Any]:
-    """Returns the master view, leaf by leaf: what the inner rule sees."""
-    return [k.view(s, p) for k, s, p in zip(self.kinds, stored, self.params, strict=True)]
-
-  def master_shapes(self) -> list[Any]:
-    """Returns the master view's shapes and dtypes, without computing it."""
-    return [
-      p if k.master_dtype is None else jax.ShapeDtypeStruct(np.shape(p), k.master_dtype)
-      for k, p in zip(self.kinds, self.params, strict=True)
-    ]
-
-
-# A pytree of the step's arrays, so that skip.run_if_finite passes them to the
-# jitted step as arguments.
+# A pytree of the step's arrays, so that verdict.run_if_finite passes them to
+# the jitted step as arguments.
 jax.tree_util.register_dataclass(
   _Leaves,
   data_fields=["params", "stored", "grads"],
-  meta_fields=["treedef", "kinds", "grad_treedef", "grad_kinds", "grad_shapes"],
+  meta_fields=["treedef", "kinds", "grad_treedef", "received_dtypes"],
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class _InnerLayout:
-  """The inner state's treedef, and the moment kind of each of its leaves."""
-
-  kinds: list[moments_lib.MomentKind]
-  treedef: Any
-
-  def tree(self, flat: list[Any]) -> Any:
-    return self.treedef.unflatten(flat)
 
 
 def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
   """Returns ``(paths, leaves, treedef)`` with ``optax.MaskedNode`` as a leaf (the
   holes ``optax.partition`` and ``masked`` leave), paths as ``"a/b/0"``."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_lib.no_master)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_lib.is_masked_node)
   paths = [tree_lib.path_str(path) or "<root>" for path, _ in flat]
   return paths, [leaf for _, leaf in flat], treedef
-
-
-def _flatten_leaves(tree: Any) -> tuple[list[Any], Any]:
-  """Flattens ``tree`` as ``jax.tree.flatten``, typed for the treedef's methods."""
-  flat, treedef = jax.tree.flatten(tree)
-  return flat, treedef
-
-
-def _check_stored(
-  mode: storage.Mode,
-  dtype: Any,
-  stored: Any,
-  paths: list[str],
-  params: list[Any],
-  kinds: list[storage.StorageKind],
-  treedef: Any,
-) -> list[Any]:
-  """Returns what is stored, flat, after checking it leaf by leaf against what each
-  param's kind would store for it at init."""
-  stored_flat, stored_def = jax.tree.flatten(stored, is_leaf=tree_lib.no_master)
-  if stored_def != treedef:
-    raise ValueError(
-      "mixed_precision: params do not match the optimizer state (was the state "
-      f"made by init on another tree?).\n  state: {stored_def}\n  params: {treedef}"
-    )
-  for path, s, param, kind in zip(paths, stored_flat, params, kinds, strict=True):
-    validation.check_stored_leaf(mode.stored_field, path, s, kind.stored_like(param), param, dtype)
-  return stored_flat
-
-
-def _moments_step(
-  applied_steps: jax.Array,
-  inner_layout: _InnerLayout,
-  outputs: list[Any],
-  new_inner_flat: list[Any],
-) -> jax.Array:
-  """Returns the step whose random bits compress the moments: ``applied_steps``,
-  plus (XLA:CPU, one device) a zero that orders their writes (``_after``)."""
-  if not any(kind.compressed for kind in inner_layout.kinds):
-    return applied_steps
-  uncompressed = [
-    v for v, kind in zip(new_inner_flat, inner_layout.kinds, strict=True) if not kind.compressed
-  ]
-  return lowering.by_platform(
-    applied_steps,
-    outputs + uncompressed,
-    cpu=lambda steps, others: steps + _after(others),
-    accelerator=lambda steps, _: steps,
-    # An element of a sharded output would be all-gathered.
-    cpu_needs_one_device=True,
-  )
-
-
-def _after(others: list[Any]) -> jax.Array:
-  """Returns zero, read from one element of each of the step's other outputs.
-
-  Added to the moments' step, it orders each compressed moment's in-place
-  write after the kernels that read the old moment, which XLA:CPU would
-  otherwise meet with a copy (docs/design.md, the workaround table).
-  """
-  firsts = [
-    jnp.ravel(x)[:1].astype(jnp.float32)
-    for x in others
-    if not tree_lib.is_placeholder(x) and np.size(x) >= moments_lib.MIN_SIZE
-  ]
-  if not firsts:
-    return jnp.zeros((), jnp.int32)
-  # A reduction, computed once: a scalar made of elementwise ops alone XLA
-  # would fuse into every element of every compressed moment.
-  return jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
 
 
 def _check_mode(masters: Any, dtype: Any) -> storage.Mode:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import adapters, moment_codes, rounding
+from mpx._src import adapters, lowering, moment_codes, rounding
 from mpx._src import tree as tree_lib
 from mpx._src.moment_codes import SIGNS, Sign
 from mpx._src.states import (
@@ -139,6 +139,9 @@ class MomentsFormat:
   # Whether the user named each field's sign (a mapping): then it overrides
   # the signs mpx knows of optax's states.
   signs_named: bool = False
+  # Whether any leaf may be stored other than as the inner rule made it: with
+  # "full" the step stores the inner state as it is and never asks this module.
+  compresses: bool = True
 
   @property
   def field_names(self) -> tuple[str, ...]:
@@ -170,6 +173,34 @@ class MomentsFormat:
       sign = adapters.KNOWN_SIGNS.get((state_name, field), sign)
     return EightBitCompressed(key, sign)
 
+  def stored_like(self, inner_like: Any) -> Any:
+    """Returns the abstract stored form of an (abstract) inner state."""
+    flat, treedef = jax.tree.flatten(inner_like)
+    kinds = self.kinds(inner_like)
+    return jax.tree.unflatten(treedef, [k.stored_like(x) for k, x in zip(kinds, flat, strict=True)])
+
+  def compress(
+    self, new_inner: Any, applied_steps: jax.Array, others: list[Any] | None = None
+  ) -> Any:
+    """Returns the stored form of the inner rule's new state; ``others`` are the
+    step's other outputs, which every in-place write of a moment follows on
+    XLA:CPU (:func:`_after`; None: at init, nothing to follow)."""
+    flat, treedef = jax.tree.flatten(new_inner)
+    kinds = self.kinds(new_inner)
+    uncompressed = [v for v, kind in zip(flat, kinds, strict=True) if not kind.compressed]
+    step = applied_steps
+    if others is not None and len(uncompressed) < len(flat):
+      step = lowering.by_platform(
+        applied_steps,
+        others + uncompressed,
+        cpu=lambda steps, others: steps + _after(others),
+        accelerator=lambda steps, _: steps,
+        # An element of a sharded output would be all-gathered.
+        cpu_needs_one_device=True,
+      )
+    stored = [k.compress(v, step) for k, v in zip(kinds, flat, strict=True)]
+    return jax.tree.unflatten(treedef, stored)
+
   def check_fields_exist(self, inner_state: Any) -> None:
     """Refuses a field named by the user that no state of the inner rule has."""
     if self.name == "full" or self.field_names == DEFAULT_FIELDS:
@@ -187,6 +218,25 @@ class MomentsFormat:
         f"state, whose fields are {fields}. Name fields of its state (e.g. Adan's "
         "'m', 'v', 'n'), or leave moment_fields at its default ('mu', 'nu', 'trace')."
       )
+
+
+def _after(others: list[Any]) -> jax.Array:
+  """Returns zero, read from one element of each of the step's other outputs.
+
+  Added to the moments' step, it orders each compressed moment's in-place
+  write after the kernels that read the old moment, which XLA:CPU would
+  otherwise meet with a copy (docs/design.md, the workaround table).
+  """
+  firsts = [
+    jnp.ravel(x)[:1].astype(jnp.float32)
+    for x in others
+    if not tree_lib.is_placeholder(x) and np.size(x) >= MIN_SIZE
+  ]
+  if not firsts:
+    return jnp.zeros((), jnp.int32)
+  # A reduction, computed once: a scalar made of elementwise ops alone XLA
+  # would fuse into every element of every compressed moment.
+  return jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
 
 
 def _compressible(leaf: Any) -> bool:
@@ -229,7 +279,9 @@ def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFor
       f"mixed_precision: moments={moments!r} compresses a float32 inner state; dtype is "
       f"{jnp.dtype(dtype)}. Use float32 masters, or moments='full'."
     )
-  return MomentsFormat(moments, _field_signs(fields), seed, isinstance(fields, Mapping))
+  return MomentsFormat(
+    moments, _field_signs(fields), seed, isinstance(fields, Mapping), moments != "full"
+  )
 
 
 def _field_signs(fields: Any) -> tuple[tuple[str, Sign], ...]:
@@ -252,12 +304,6 @@ def _field_signs(fields: Any) -> tuple[tuple[str, Sign], ...]:
       f"{fields!r}."
     )
   return tuple((f, "nonnegative" if f in NONNEGATIVE_FIELDS else "signed") for f in fields)
-
-
-def flatten_stored(stored_inner: Any) -> tuple[list[Any], Any]:
-  """Returns a stored inner state's leaves, each compressed moment one leaf,
-  and its treedef."""
-  return jax.tree.flatten(stored_inner, is_leaf=is_compressed)
 
 
 def is_compressed(x: Any) -> bool:

@@ -30,12 +30,6 @@ Sources = Callable[[Any], Any]
 _FLOAT32 = np.dtype(np.float32)
 
 
-def _as(x: jax.Array, dtype: Any) -> jax.Array:
-  """Returns ``x`` in ``dtype``, binding no op where it already is: every op traced
-  per leaf is paid for again in compile time."""
-  return x if x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
-
-
 def _add(master: jax.Array, update: Any, dtype: Any) -> jax.Array:
   """Returns ``(master + update)`` in ``dtype``; lax where the dtypes agree, since
   ``+`` on tracers traces as a nested jit at every leaf."""
@@ -48,7 +42,10 @@ def _delta(target: jax.Array, param: jax.Array, dtype: Any, applied: jax.Array) 
   """Returns ``target - param`` in ``dtype``, zero on a skipped step: the update with
   which ``optax.apply_updates`` lands ``param`` on ``target``. Computed after
   the cond, it fuses into ``optax.apply_updates``."""
-  delta = jax.lax.sub(_as(target, dtype), _as(param, dtype))
+  # No op bound where a dtype already is: every op traced per leaf is paid
+  # for again in compile time.
+  target, param = (x if x.dtype == dtype else x.astype(dtype) for x in (target, param))
+  delta = jax.lax.sub(target, param)
   return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
 
 
@@ -102,16 +99,7 @@ class StorageKind(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class _KeepsNoMaster:
-  """A kind that keeps no master, so has nothing to restart after an edit."""
-
-  def sync(self, stored: Any, param: Any) -> Any:
-    del param
-    return stored
-
-
-@dataclasses.dataclass(frozen=True)
-class NoMaster(_KeepsNoMaster):
+class NoMaster:
   """A leaf at the master dtype or wider, or not floating: the inner rule
   updates the param itself, and the state holds ``optax.MaskedNode()``."""
 
@@ -136,6 +124,10 @@ class NoMaster(_KeepsNoMaster):
   def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> Any:
     del stored, param, applied
     return handoff
+
+  def sync(self, stored: Any, param: Any) -> Any:
+    del param
+    return stored  # no master, so nothing to restart after an edit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +159,7 @@ class Copy:
   def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
     del handoff
     param = jnp.asarray(param)
-    return _delta(self._landing_target(stored, param), param, self.master_dtype, applied)
-
-  def _landing_target(self, master: jax.Array, param: jax.Array) -> jax.Array:
-    """Returns where ``param_update`` lands ``param``: ``rounded``."""
-    return self.rounded(master, param)
+    return _delta(self.rounded(stored, param), param, self.master_dtype, applied)
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:
     """Keeps each master whose rounding is still the param; restarts the
@@ -202,11 +190,13 @@ class CopyTiesAway(Copy):
     del param
     return rounding.round_ties_away(rounding.canonical(master))
 
-  def _landing_target(self, master: jax.Array, param: jax.Array) -> jax.Array:
-    """Returns ``rounded`` in float32: the step's stored master is canonical,
-    and the float32 form spares the update a round trip through bfloat16."""
-    del param
-    return rounding.round_ties_away_f32(master)
+  def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
+    """Lands ``param`` on ``rounded`` computed in float32: the step's stored
+    master is canonical, and the float32 form spares the update a round trip
+    through bfloat16."""
+    del handoff
+    target = rounding.round_ties_away_f32(stored)
+    return _delta(target, jnp.asarray(param), jnp.float32, applied)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +238,7 @@ class Remainder:
 
 
 @dataclasses.dataclass(frozen=True)
-class Stochastic(_KeepsNoMaster):
+class Stochastic:
   """No master: the bfloat16 param is updated in float32 and rounded up or
   down at random. The state holds the leaf's uint32 key; its random bits come
   from the key, the element's position and the count of applied steps."""
@@ -281,8 +271,9 @@ class Stochastic(_KeepsNoMaster):
     del stored
     return _delta(handoff, jnp.asarray(param), jnp.float32, applied)
 
-
-NO_MASTER = NoMaster()
+  def sync(self, stored: Any, param: Any) -> Any:
+    del param
+    return stored  # no master, so nothing to restart after an edit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,15 +291,16 @@ class Mode:
   def kind_for(self, param: Any, dtype: Any, path: str) -> StorageKind:
     """Returns the kind of one param leaf under ``dtype`` masters, or a ValueError
     naming the leaf."""
-    if not tree_lib.is_floating(param) or tree_lib.float_bits(param) >= jnp.finfo(dtype).bits:
-      return NO_MASTER
-    if tree_lib.leaf_dtype(param) == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32:
+    param_dtype = tree_lib.leaf_dtype(param)
+    if not tree_lib.is_floating(param) or jnp.finfo(param_dtype).bits >= jnp.finfo(dtype).bits:
+      return NoMaster()
+    if param_dtype == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32:
       return self.bfloat16_kind
     if self.takes_other_narrow_params:
       return Copy(np.dtype(dtype))
     raise ValueError(
       f"mixed_precision(masters={self.name!r}): param {path!r} is "
-      f"{tree_lib.leaf_dtype(param)}, but this mode works on bfloat16 params under "
+      f"{param_dtype}, but this mode works on bfloat16 params under "
       "float32 masters (bfloat16 is the top half of float32). Keep such leaves "
       'under masters="full", e.g. with optax.partition.'
     )
@@ -317,8 +309,8 @@ class Mode:
     """Returns the kind of a leaf from what a state holds for it (no ``dtype`` at
     hand): a floating stored leaf is a master of its own dtype; any other
     stored leaf implies float32 masters."""
-    if tree_lib.no_master(stored):
-      return NO_MASTER
+    if tree_lib.is_masked_node(stored):
+      return NoMaster()
     stored_dtype = tree_lib.leaf_dtype(stored)
     dtype = stored_dtype if jnp.issubdtype(stored_dtype, jnp.floating) else jnp.float32
     return self.kind_for(param, dtype, "<stored>")
@@ -337,7 +329,7 @@ class Mode:
       lambda stored, param: fn(self.kind_of_stored(stored, param), stored, param),
       self.stored(state),
       params,
-      is_leaf=tree_lib.no_master,
+      is_leaf=tree_lib.is_masked_node,
     )
 
 

@@ -18,7 +18,7 @@ PyTree = Any
 LeafPredicate = Callable[[str, Any], bool]
 
 
-def no_master(leaf: Any) -> bool:
+def is_masked_node(leaf: Any) -> bool:
   """Returns whether ``leaf`` is the ``optax.MaskedNode`` that stands in a
   state's stored tree for a param with no master copy."""
   return isinstance(leaf, optax.MaskedNode)
@@ -45,11 +45,6 @@ def is_floating(leaf: Any) -> bool:
   """Returns True for real floating-point leaves (f64 ... fp8), else False."""
   dtype = leaf_dtype(leaf)
   return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
-def float_bits(leaf: Any) -> int:
-  """Returns the width in bits of a floating leaf's dtype (64 ... 8)."""
-  return jnp.finfo(leaf_dtype(leaf)).bits
 
 
 def path_str(path: tuple[Any, ...]) -> str:

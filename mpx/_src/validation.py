@@ -1,6 +1,10 @@
 """Checks of the transformations' inputs, at construction or trace time: an
 error naming the leaf and the fix instead of a silent wrong answer
 (docs/guarantees.md). None costs a compiled step anything.
+
+Each transformation checks one step's inputs from one entry point
+(:func:`check_mixed_precision_inputs`, :func:`check_loss_scale_inputs`) and
+what its inner rule returned from another (:func:`check_inner_results`).
 """
 
 from __future__ import annotations
@@ -11,9 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpx._src import adapters, compat, state_search
+from mpx._src import adapters, state_search
 from mpx._src import tree as tree_lib
-from mpx._src.states import MIXED_PRECISION_STATES
+from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
 
 
 def check_transformation(inner: Any, name: str = "inner") -> None:
@@ -23,6 +27,125 @@ def check_transformation(inner: Any, name: str = "inner") -> None:
       f"{name} must be an optax GradientTransformation (with init and update), "
       f"got {type(inner).__name__}. Did you pass the factory instead of calling "
       "it, e.g. optax.adam instead of optax.adam(1e-3)?"
+    )
+
+
+def check_mixed_precision_inputs(
+  grads: Any,
+  state: Any,
+  params: Any,
+  own_verdict: bool,
+  init_like: Callable[[Any], Any],
+) -> None:
+  """Checks one ``mixed_precision`` step's inputs against each other, naming the
+  leaf and the fix: the state against ``init_like(params)`` (the abstract
+  state ``init`` builds for these params), the gradients against the params,
+  and (``own_verdict``: no ``loss_scale`` agrees it) that the gradients vary
+  over no mesh axis the counters do not."""
+  if params is None:
+    raise ValueError(
+      "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
+    )
+  expected = init_like(params)
+  _check_state_type("mixed_precision", state, type(expected))
+  field = expected._fields[0]
+  _check_stored(field, getattr(state, field), getattr(expected, field), params)
+  _check_grads_match_params("mixed_precision", grads, params)
+  if own_verdict:
+    _check_own_verdict_agrees(grads, state.applied_steps)
+  check_state_like("mixed_precision", state.inner_state, expected.inner_state, "inner_state/")
+
+
+def check_loss_scale_inputs(
+  grads: Any,
+  state: Any,
+  params: Any,
+  axis_name: Any,
+  inner_init: Callable[[Any], Any] | None,
+) -> bool:
+  """Checks one ``loss_scale`` step's inputs: the state's type, that every device
+  agrees the verdict (``axis_name``), and, given ``inner_init`` (the
+  transformation does not hand the gradients to a ``mixed_precision``, which
+  checks them itself), the gradients against the params and the inner state
+  against ``inner_init``'s. Returns whether any gradient is per-example."""
+  _check_state_type("loss_scale", state, LossScaleState)
+  _check_verdict_agrees(grads, state.loss_scale, axis_name)
+  if params is None or inner_init is None:
+    return False
+  per_example = _check_grads_match_params("loss_scale", grads, params)
+  expected = jax.eval_shape(inner_init, params)
+  check_state_like("loss_scale", state.inner_state, expected, "inner_state/")
+  return per_example
+
+
+def check_inner_results(
+  name: str, updates: Any, new_state: Any, old_state: Any, params: Any = None
+) -> None:
+  """Checks what the inner rule returned: its state with the types it was
+  given, since a skipped step returns the old state, and (given ``params``) an
+  update of each floating param's shape (per-example gradients reduced, as
+  DP-SGD does)."""
+
+  def updates_mismatch(updates_def, params_def):
+    return ValueError(
+      f"{name}: the inner rule's updates do not match params.\n  updates: {updates_def}"
+      f"\n  params: {params_def}"
+    )
+
+  checked = [] if params is None else zip_leaves(updates, params, updates_mismatch)
+  for path, update, param in checked:
+    if tree_lib.is_floating(param) and np.shape(update) != np.shape(param):
+      raise ValueError(
+        f"{name}: the gradient of {path!r} has leading axes beyond its param's shape "
+        f"{list(np.shape(param))}, and the inner rule did not reduce them (its update "
+        f"has shape {list(np.shape(update))}). Per-example gradients need a "
+        "rule that reduces them, such as optax.contrib.dpsgd; otherwise pass gradients "
+        "of the params' shapes."
+      )
+
+  def state_mismatch(new_def, old_def):
+    return TypeError(
+      f"{name}: the inner rule changed the structure of its state from {old_def} to {new_def}."
+    )
+
+  for path, new, old in zip_leaves(new_state, old_state, state_mismatch):
+    if not tree_lib.is_placeholder(new) and _signature(new) != _signature(old):
+      raise TypeError(
+        f"{name}: the inner rule changed the type of its state at {path} from "
+        f"{describe(old)} to {describe(new)}. Integer params reaching a rule such as "
+        "Adam need optax.masked to keep the rule off them; 16-bit params under "
+        "loss_scale alone get float32 gradients, so wrap the rule in "
+        "mpx.mixed_precision, whose state is float32."
+      )
+
+
+def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> None:
+  """Checks that ``state`` has the structure, shapes and dtypes (weak types
+  aside) of ``expected``, the abstract state this transformation's init builds."""
+  intro = f"{name}: opt_state was not made by this transformation's init (or not for these params)"
+
+  def mismatch(state_def, expected_def):
+    return ValueError(f"{intro}: expected structure {expected_def}, got {state_def}.")
+
+  for path, got, want in zip_leaves(state, expected, mismatch):
+    if not tree_lib.is_placeholder(want) and _signature(want) != _signature(got):
+      raise ValueError(
+        f"{intro}: at {prefix}{path}: expected {describe(want)}, got {describe(got)}."
+      )
+
+
+def refuse_rules_chained_after(name: str, opt_state: Any) -> None:
+  """Refuses an ``optax.chain`` that runs a rule after a ``mixed_precision``:
+  its updates land each param on its new master's rounding, so any rule after
+  it moves the params where the masters never go (docs/concepts.md)."""
+  after = state_search.chained_after(opt_state, MIXED_PRECISION_STATES)
+  if after:
+    raise ValueError(
+      f"{name}: an optax.chain runs {len(after)} rule(s) after mpx.mixed_precision. "
+      "mixed_precision must wrap the whole rule: its updates land each param on its "
+      "master's rounding, and a rule after it would move the params where the masters "
+      "never go. Put every rule inside: "
+      "mpx.mixed_precision(optax.chain(..., optax.scale(-lr)))."
     )
 
 
@@ -53,19 +176,29 @@ def zip_leaves(
 
 def varying_axes(leaf: Any) -> frozenset[Any]:
   """Returns the mesh axes ``leaf`` varies over inside a ``shard_map`` that
-  checks them (``check_vma=True``, its default); empty elsewhere."""
+  checks them (``check_vma=True``, its default); empty elsewhere.
+
+  Read from ``manual_axis_type.varying`` (jax 0.10) or ``vma`` (0.6.1 to 0.9);
+  older types carry none (tests/test_shard_map_vma.py pins each)."""
   if leaf is None or tree_lib.is_placeholder(leaf):
     return frozenset()
   try:
     aval = jax.typeof(leaf)
   except TypeError:
     return frozenset()
-  return compat.varying_axes_of(aval)
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
 
 
-def _varying_axes_of_any(grads: Any) -> frozenset[Any]:
-  """Returns the mesh axes some leaf of ``grads`` varies over."""
-  return frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+def _master_dtype(stored: Any) -> Any:
+  """Returns the dtype of the master a stored leaf stands for (a remainder's or
+  a rounding key's is float32)."""
+  dtype = tree_lib.leaf_dtype(stored)
+  return dtype if tree_lib.is_floating(stored) else np.dtype(np.float32)
+
+
+def _signature(leaf: Any) -> tuple[tuple[int, ...], Any]:
+  return (tuple(np.shape(leaf)), tree_lib.leaf_dtype(leaf))
 
 
 def _axes_text(axes: frozenset[Any]) -> str:
@@ -78,74 +211,80 @@ def _axes_arg(axes: frozenset[Any]) -> str:
   return repr(names[0] if len(names) == 1 else names)
 
 
-def check_gradient_varies_like_param(name: str, path: str, grad: Any, param: Any) -> None:
-  """Refuses a gradient that varies over a mesh axis its param does not
-  (per-device gradients of replicated params inside ``shard_map``), which
-  ``lax.cond`` would refuse later naming neither the leaf nor the fix."""
-  extra = varying_axes(grad) - varying_axes(param)
-  if not extra:
+def _check_state_type(name: str, state: Any, state_type: type) -> None:
+  """Raises a TypeError unless ``state`` is a ``state_type``; a dict gets the
+  fix for a checkpoint restored without a target, which is how one arrives."""
+  if isinstance(state, state_type):
     return
-  axes, arg = _axes_text(extra), _axes_arg(extra)
-  raise ValueError(
-    f"{name}: gradient {path!r} varies across mesh axis {axes} (shard_map) but its param "
-    f"does not: each device would update its copy of the param and its state its own way. "
-    f"Reduce the gradients over {axes} first (jax.lax.pmean(grads, {arg})), or take "
-    "jax.grad with respect to the replicated params, which reduces them; or give the params "
-    f"and the optimizer state that axis (in_specs P({axes}))."
+  hint = "pass the state made by this transformation's init."
+  if isinstance(state, Mapping):
+    hint = (
+      "a checkpoint restored without a target comes back as dicts: restore it with the "
+      "state from tx.init as the target (orbax: checkpointer.restore(path, target))."
+    )
+  raise TypeError(
+    f"{name}.update got a state of type {type(state).__name__}, not {state_type.__name__}: {hint}"
   )
 
 
-def check_gradients_vary_like_params(name: str, grads: Any, params: Any) -> None:
-  """Runs :func:`check_gradient_varies_like_param` on every leaf; trees that
-  do not line up are left to :func:`check_grads_match_params` to name."""
-  params = adapters.gradient_params(params)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=tree_lib.is_placeholder)
-  grads_def: Any = treedef
-  if grads_def != jax.tree.structure(params, is_leaf=tree_lib.is_placeholder):
-    return
-  for (path, grad), param in zip(flat, grads_def.flatten_up_to(params), strict=True):
-    check_gradient_varies_like_param(name, tree_lib.path_str(path) or "<root>", grad, param)
+def _check_stored(field: str, stored: Any, expected: Any, params: Any) -> None:
+  """Checks what a ``mixed_precision`` state stores per param leaf (its ``field``)
+  against what its init would store (``expected``), leaf by leaf."""
+
+  def mismatch(stored_def, params_def):
+    return ValueError(
+      "mixed_precision: params do not match the optimizer state (was the state "
+      f"made by init on another tree?).\n  state: {stored_def}\n  params: {params_def}"
+    )
+
+  params_def: Any = jax.tree.structure(params, is_leaf=tree_lib.is_placeholder)
+  flat_expected = params_def.flatten_up_to(expected)
+  paired = zip_leaves(stored, params, mismatch)
+  for (path, got, param), want in zip(paired, flat_expected, strict=True):
+    if tree_lib.is_placeholder(want) and not tree_lib.is_placeholder(got):
+      raise ValueError(
+        f"mixed_precision: param {path!r} is {describe(param)}, but the state "
+        "holds a master for a narrower param: the params were widened. mpx's updates are "
+        f"in {_master_dtype(got)}, and an apply that adds them without casting back (e.g. "
+        "equinox.apply_updates) widens each param. Apply them with optax.apply_updates, "
+        "which keeps every param's dtype (with equinox: eqx.partition the model, "
+        "optax.apply_updates the arrays, eqx.combine)."
+      )
+    if tree_lib.is_placeholder(got) and not tree_lib.is_placeholder(want):
+      raise ValueError(
+        f"mixed_precision: param {path!r} is {describe(param)} but the state "
+        "holds no master for it (the state was initialised on wider params). "
+        "Re-initialise, or use mpx.init_from_full_precision to start "
+        "low-precision training from full-precision weights."
+      )
+    if tree_lib.is_placeholder(want):
+      continue
+    if np.shape(got) != np.shape(want) and np.shape(want) == np.shape(param):
+      hint = ""
+      if varying_axes(param):  # a shard of the param inside shard_map
+        hint = (
+          " Inside shard_map the state must be split like the params: "
+          "mpx.zero1_shardings(tx, params, mesh, axis=None) gives its shardings (their "
+          ".spec for in_specs and out_specs)."
+        )
+      raise ValueError(
+        f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but its "
+        f"master has shape {list(np.shape(got))}.{hint}"
+      )
+    if _signature(got) != _signature(want):
+      raise ValueError(
+        "mixed_precision: opt_state was not made by this transformation's init (or not "
+        f"for these params): at {field}/{path}: expected {describe(want)}, got "
+        f"{describe(got)} (another masters= mode or master dtype?)."
+      )
 
 
-def check_verdict_agrees(name: str, grads: Any, scale: Any, axis_name: Any) -> None:
-  """Refuses gradients that vary over a mesh axis that neither ``axis_name``
-  reduces nor the loss scale varies over: each device would skip on its own
-  verdict. The message names the ``axis_name`` to pass."""
-  axes = _varying_axes_of_any(grads)
-  names = () if axis_name is None else axis_name
-  reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
-  loose = axes - reduced - varying_axes(scale)
-  if not loose:
-    return
-  raise ValueError(
-    f"{name}: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), but "
-    f"axis_name={axis_name!r} does not reduce the verdict over it and the loss scale is "
-    "replicated over it: each device would decide alone whether to skip. Pass "
-    f"axis_name={_axes_arg(reduced | loose)} so that every device agrees."
-  )
-
-
-def check_own_verdict_agrees(name: str, grads: Any, counter: Any) -> None:
-  """Refuses gradients that vary over a mesh axis the counters do not (FSDP
-  under ``mixed_precision`` alone, which has no ``axis_name``). The message
-  names the wrapper whose ``axis_name`` agrees the verdict."""
-  axes = _varying_axes_of_any(grads)
-  loose = axes - varying_axes(counter)
-  if not loose:
-    return
-  raise ValueError(
-    f"{name}: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), so each "
-    "device would decide alone whether to skip the step. Agree the verdict across them: "
-    f"mpx.static_loss_scale(tx, 1.0, axis_name={_axes_arg(loose)}) for bfloat16 (a scale of "
-    f"1 changes nothing else), or mpx.loss_scale(tx, axis_name={_axes_arg(loose)}) for float16."
-  )
-
-
-def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
-  """Checks that ``grads`` have the structure of ``adapters.gradient_params(params)`` and
+def _check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
+  """Checks that ``grads`` have the structure of ``adapters.gradient_params(params)``,
   each floating param a floating gradient of its shape (a broadcastable one
-  would broadcast silently) or of it behind per-example axes; returns whether
-  any are per-example (then see ``check_updates_reduced``)."""
+  would broadcast silently) or of it behind per-example axes, varying over no
+  mesh axis its param does not; returns whether any are per-example (then
+  :func:`check_inner_results` checks the rule reduced them)."""
 
   def mismatch(grads_def, params_def):
     return ValueError(
@@ -166,7 +305,7 @@ def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
         f"{name}: gradient {path!r} is {tree_lib.leaf_dtype(grad)} but its param is "
         f"{tree_lib.leaf_dtype(param)}: the gradient of a floating param must be floating."
       )
-    check_gradient_varies_like_param(name, path, grad, param)
+    _check_gradient_varies_like_param(name, path, grad, param)
     grad_shape, shape = np.shape(grad), np.shape(param)
     if grad_shape == shape:
       continue
@@ -180,135 +319,53 @@ def check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
   return per_example
 
 
-def check_updates_reduced(name: str, updates: Any, params: Any) -> None:
-  """Checks that the inner rule reduced per-example gradients' leading axes:
-  every update of a floating param has that param's shape."""
-
-  def mismatch(updates_def, params_def):
-    return ValueError(
-      f"{name}: the inner rule's updates do not match params.\n  updates: {updates_def}"
-      f"\n  params: {params_def}"
-    )
-
-  for path, update, param in zip_leaves(updates, params, mismatch):
-    if tree_lib.is_floating(param) and np.shape(update) != np.shape(param):
-      raise ValueError(
-        f"{name}: the gradient of {path!r} has leading axes beyond its param's shape "
-        f"{list(np.shape(param))}, and the inner rule did not reduce them (its update "
-        f"has shape {list(np.shape(update))}). Per-example gradients need a "
-        "rule that reduces them, such as optax.contrib.dpsgd; otherwise pass gradients "
-        "of the params' shapes."
-      )
-
-
-def _signature(leaf: Any) -> tuple[tuple[int, ...], Any]:
-  return (tuple(np.shape(leaf)), tree_lib.leaf_dtype(leaf))
-
-
-def check_state_type(name: str, state: Any, state_type: type) -> None:
-  """Raises a TypeError unless ``state`` is a ``state_type``; a dict gets the
-  fix for a checkpoint restored without a target, which is how one arrives."""
-  if isinstance(state, state_type):
+def _check_gradient_varies_like_param(name: str, path: str, grad: Any, param: Any) -> None:
+  """Refuses a gradient that varies over a mesh axis its param does not
+  (per-device gradients of replicated params inside ``shard_map``), which
+  ``lax.cond`` would refuse later naming neither the leaf nor the fix."""
+  extra = varying_axes(grad) - varying_axes(param)
+  if not extra:
     return
-  hint = "pass the state made by this transformation's init."
-  if isinstance(state, Mapping):
-    hint = (
-      "a checkpoint restored without a target comes back as dicts: restore it with the "
-      "state from tx.init as the target (orbax: checkpointer.restore(path, target))."
-    )
-  raise TypeError(
-    f"{name}.update got a state of type {type(state).__name__}, not {state_type.__name__}: {hint}"
+  axes, arg = _axes_text(extra), _axes_arg(extra)
+  raise ValueError(
+    f"{name}: gradient {path!r} varies across mesh axis {axes} (shard_map) but its param "
+    f"does not: each device would update its copy of the param and its state its own way. "
+    f"Reduce the gradients over {axes} first (jax.lax.pmean(grads, {arg})), or take "
+    "jax.grad with respect to the replicated params, which reduces them; or give the params "
+    f"and the optimizer state that axis (in_specs P({axes}))."
   )
 
 
-def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> None:
-  """Checks that ``state`` has the structure, shapes and dtypes (weak types
-  aside) of ``expected``, the abstract state this transformation's init builds."""
-  intro = f"{name}: opt_state was not made by this transformation's init (or not for these params)"
-
-  def mismatch(state_def, expected_def):
-    return ValueError(f"{intro}: expected structure {expected_def}, got {state_def}.")
-
-  for path, got, want in zip_leaves(state, expected, mismatch):
-    if not tree_lib.is_placeholder(want) and _signature(want) != _signature(got):
-      raise ValueError(
-        f"{intro}: at {prefix}{path}: expected {describe(want)}, got {describe(got)}."
-      )
-
-
-def check_state_types_kept(name: str, new_state: Any, old_state: Any) -> None:
-  """Checks that the inner rule returned its state with the types it was given,
-  since a skipped step returns the old state; names the leaf where not."""
-
-  def mismatch(new_def, old_def):
-    return TypeError(
-      f"{name}: the inner rule changed the structure of its state from {old_def} to {new_def}."
-    )
-
-  for path, new, old in zip_leaves(new_state, old_state, mismatch):
-    if not tree_lib.is_placeholder(new) and _signature(new) != _signature(old):
-      raise TypeError(
-        f"{name}: the inner rule changed the type of its state at {path} from "
-        f"{describe(old)} to {describe(new)}. Integer params reaching a rule such as "
-        "Adam need optax.masked to keep the rule off them; 16-bit params under "
-        "loss_scale alone get float32 gradients, so wrap the rule in "
-        "mpx.mixed_precision, whose state is float32."
-      )
-
-
-def check_stored_leaf(
-  field: str, path: str, stored: Any, want: Any, param: Any, dtype: Any
-) -> None:
-  """Checks that what a ``mixed_precision`` state stores for one param leaf
-  (``path`` in its ``field``) is what its init would store (``want``)."""
-  if tree_lib.is_placeholder(want) and not tree_lib.is_placeholder(stored):
-    raise ValueError(
-      f"mixed_precision: param {path!r} is {describe(param)}, but the state "
-      "holds a master for a narrower param: the params were widened. mpx's updates are "
-      f"in {np.dtype(dtype)}, and an apply that adds them without casting back (e.g. "
-      "equinox.apply_updates) widens each param. Apply them with optax.apply_updates, "
-      "which keeps every param's dtype (with equinox: eqx.partition the model, "
-      "optax.apply_updates the arrays, eqx.combine)."
-    )
-  if tree_lib.is_placeholder(stored) and not tree_lib.is_placeholder(want):
-    raise ValueError(
-      f"mixed_precision: param {path!r} is {describe(param)} but the state "
-      "holds no master for it (the state was initialised on wider params). "
-      "Re-initialise, or use mpx.init_from_full_precision to start "
-      "low-precision training from full-precision weights."
-    )
-  if tree_lib.is_placeholder(want):
+def _check_verdict_agrees(grads: Any, scale: Any, axis_name: Any) -> None:
+  """Refuses gradients that vary over a mesh axis that neither ``axis_name``
+  reduces nor the loss scale varies over: each device would skip on its own
+  verdict. The message names the ``axis_name`` to pass."""
+  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+  names = () if axis_name is None else axis_name
+  reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
+  loose = axes - reduced - varying_axes(scale)
+  if not loose:
     return
-  if np.shape(stored) != np.shape(want) and np.shape(want) == np.shape(param):
-    hint = ""
-    if varying_axes(param):  # a shard of the param inside shard_map
-      hint = (
-        " Inside shard_map the state must be split like the params: "
-        "mpx.zero1_shardings(tx, params, mesh, axis=None) gives its shardings (their "
-        ".spec for in_specs and out_specs)."
-      )
-    raise ValueError(
-      f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but its "
-      f"master has shape {list(np.shape(stored))}.{hint}"
-    )
-  if _signature(stored) != _signature(want):
-    raise ValueError(
-      "mixed_precision: opt_state was not made by this transformation's init (or not "
-      f"for these params): at {field}/{path}: expected {describe(want)}, got "
-      f"{describe(stored)} (another masters= mode or master dtype?)."
-    )
+  raise ValueError(
+    f"loss_scale: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), but "
+    f"axis_name={axis_name!r} does not reduce the verdict over it and the loss scale is "
+    "replicated over it: each device would decide alone whether to skip. Pass "
+    f"axis_name={_axes_arg(reduced | loose)} so that every device agrees."
+  )
 
 
-def refuse_rules_chained_after(name: str, opt_state: Any) -> None:
-  """Refuses an ``optax.chain`` that runs a rule after a ``mixed_precision``:
-  its updates land each param on its new master's rounding, so any rule after
-  it moves the params where the masters never go (docs/concepts.md)."""
-  after = state_search.chained_after(opt_state, MIXED_PRECISION_STATES)
-  if after:
-    raise ValueError(
-      f"{name}: an optax.chain runs {len(after)} rule(s) after mpx.mixed_precision. "
-      "mixed_precision must wrap the whole rule: its updates land each param on its "
-      "master's rounding, and a rule after it would move the params where the masters "
-      "never go. Put every rule inside: "
-      "mpx.mixed_precision(optax.chain(..., optax.scale(-lr)))."
-    )
+def _check_own_verdict_agrees(grads: Any, counter: Any) -> None:
+  """Refuses gradients that vary over a mesh axis the counters do not (FSDP
+  under ``mixed_precision`` alone, which has no ``axis_name``). The message
+  names the wrapper whose ``axis_name`` agrees the verdict."""
+  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+  loose = axes - varying_axes(counter)
+  if not loose:
+    return
+  raise ValueError(
+    f"mixed_precision: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), "
+    "so each device would decide alone whether to skip the step. Agree the verdict across "
+    f"them: mpx.static_loss_scale(tx, 1.0, axis_name={_axes_arg(loose)}) for bfloat16 (a "
+    f"scale of 1 changes nothing else), or mpx.loss_scale(tx, axis_name={_axes_arg(loose)}) "
+    "for float16."
+  )

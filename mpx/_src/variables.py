@@ -7,15 +7,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, cast
 
 import jax
 import numpy as np
 
-from mpx._src import compat, moments
+from mpx._src import adapters, compat, moments
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, MixedPrecisionStochasticState
 
@@ -40,7 +39,7 @@ def fit_variables(state: Any, moments_format: str | None = None, linen_boxes: bo
   ``AxisMetadata`` box with ``names`` (linen's ``nn.Partitioned``) is fitted
   likewise: a compressed moment becomes a NamedTuple of boxes, a scalar
   rounding key is unboxed (``update`` must then run through
-  :func:`through_linen_boxes`). A state made of optax's params placeholder
+  ``adapters.through_linen_boxes``). A state made of optax's params placeholder
   (``tree_map_params``) gets :class:`NotParams` for its rounding keys, and is
   refused if ``moments_format`` (the ``moments=`` setting, None: unknown)
   compresses. Without flax imported, boxes are left as they are.
@@ -162,7 +161,7 @@ def _fit_linen_boxes(state: Any) -> Any:
   def fit(node: Any) -> Any:
     if not isinstance(node, box_type) or not hasattr(node, "names"):
       return node
-    value: Any = _unboxed(node)
+    value: Any = adapters.unboxed(node)
     if moments.is_compressed(value):
       shape = np.shape(value[0])  # the codes or values: the param's shape
       return type(value)(*(_rebox(node, part, shape) for part in value))
@@ -175,12 +174,6 @@ def _fit_linen_boxes(state: Any) -> Any:
   return jax.tree.map(fit, state, is_leaf=lambda x: isinstance(x, box_type))
 
 
-def _unboxed(box: Any) -> Any:
-  """Returns what ``box`` holds, with no sharding constraint (``nn.Partitioned``
-  applies one under a mesh)."""
-  return box.value if hasattr(box, "value") else box.unbox()
-
-
 def _rebox(box: Any, value: Any, param_shape: tuple[int, ...] | None) -> Any:
   """Boxes ``value`` like ``box``, its ``names`` kept on the axes where ``value``
   has the param's length (``param_shape``; None: ``box``'s own value)."""
@@ -191,31 +184,3 @@ def _rebox(box: Any, value: Any, param_shape: tuple[int, ...] | None) -> Any:
   if dataclasses.is_dataclass(box):
     return dataclasses.replace(cast(Any, box), value=value, names=names)
   return box.replace_boxed(value)
-
-
-def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
-  """Wraps a ``mixed_precision`` ``update`` to take params, gradients and state
-  in flax linen boxes (``nn.Partitioned``, e.g. a linen ``TrainState`` with
-  ``nn.with_partitioning``): it runs on the unboxed trees, and returns the
-  updates boxed like the params and the state boxed like the state it got."""
-
-  @functools.wraps(update_fn)
-  def update(updates: Any, state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    box_type = _linen_box_type()
-    is_box = lambda x: box_type is not None and isinstance(x, box_type)  # noqa: E731
-    if params is None or not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
-      return update_fn(updates, state, params, *args, **kwargs)
-
-    def unbox(tree: Any) -> Any:
-      return jax.tree.map(lambda x: _unboxed(x) if is_box(x) else x, tree, is_leaf=is_box)
-
-    new_updates, new_state, *rest = update_fn(
-      unbox(updates), unbox(state), unbox(params), *args, **kwargs
-    )
-    return (
-      jax.tree_util.tree_unflatten(jax.tree.structure(params), jax.tree.leaves(new_updates)),
-      jax.tree_util.tree_unflatten(jax.tree.structure(state), jax.tree.leaves(new_state)),
-      *rest,
-    )
-
-  return update

@@ -1,4 +1,4 @@
-"""A step's verdict: every gradient finite as the inner rule will receive it.
+"""A step's verdict (every gradient finite as the inner rule receives it), and the skip it steers.
 
 One rule for both transformations; who computes it: docs/design.md, "One
 verdict, and who computes it".
@@ -7,6 +7,7 @@ verdict, and who computes it".
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import state_search
+from mpx._src import lowering, state_search
 from mpx._src import tree as tree_lib
-from mpx._src.finite import all_finite
 from mpx._src.states import MIXED_PRECISION_STATES
 
 
@@ -40,7 +40,7 @@ class Unscaling:
 
 
 # A pytree whose one array is the inverse scale, so that a jitted step takes
-# it as an argument (skip.run_if_finite).
+# it as an argument (run_if_finite).
 jax.tree_util.register_dataclass(
   Unscaling, data_fields=["inverse_scale"], meta_fields=["scale_at_least_one", "axis_name"]
 )
@@ -89,26 +89,21 @@ def received(grad: Any, dtype: Any, unscaling: Unscaling | None) -> Any:
   return grad if dtype is None else grad.astype(dtype)
 
 
-def _can_overflow(grad: Any, dtype: Any, unscaling: Unscaling | None) -> bool:
-  """Returns whether ``received`` can make a finite ``grad`` non-finite."""
-  if unscaling is not None and not unscaling.scale_at_least_one:
-    return True  # dividing by a scale below 1 grows values
-  return dtype is not None and jnp.finfo(dtype).max < jnp.finfo(tree_lib.leaf_dtype(grad)).max
-
-
 def gradients_finite(grads: list[Any], dtypes: list[Any], unscaling: Unscaling | None) -> jax.Array:
   """Returns the verdict: whether every gradient is finite as ``received`` makes it
   with its ``dtypes`` entry, agreed across ``unscaling.axis_name``. Reads the
-  raw gradient wherever receiving it cannot overflow."""
-  # As jax holds them: a host float64 gradient without x64 is float32 (1e300
-  # is inf) when the rule receives it, and is judged so.
-  floating = [
-    (jnp.asarray(g), d) for g, d in zip(grads, dtypes, strict=True) if tree_lib.is_floating(g)
-  ]
-  to_check = [
-    received(g, dtype, unscaling) if _can_overflow(g, dtype, unscaling) else g
-    for g, dtype in floating
-  ]
+  raw gradient wherever receiving it cannot overflow: under a scale of at
+  least 1, into a dtype of at least the gradient's range."""
+  shrinks = unscaling is None or unscaling.scale_at_least_one
+  to_check = []
+  for grad, dtype in zip(grads, dtypes, strict=True):
+    if not tree_lib.is_floating(grad):
+      continue
+    # As jax holds it: a host float64 gradient without x64 is float32 (1e300
+    # is inf) when the rule receives it, and is judged so.
+    grad = jnp.asarray(grad)
+    narrows = dtype is not None and jnp.finfo(dtype).max < jnp.finfo(grad.dtype).max
+    to_check.append(received(grad, dtype, unscaling) if narrows or not shrinks else grad)
   return agreed(all_finite(to_check), None if unscaling is None else unscaling.axis_name)
 
 
@@ -117,6 +112,127 @@ def agreed(finite: jax.Array, axis_name: Any) -> jax.Array:
   if axis_name is None:
     return finite
   return jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+
+def all_finite(tree: tree_lib.PyTree) -> jax.Array:
+  """Returns a scalar bool array: True iff no floating leaf holds inf or NaN.
+
+  Non-floating leaves (integer counters, booleans) are ignored and an empty
+  tree is finite. The result stays on device, so it can steer ``jnp.where`` or
+  ``lax.cond`` inside ``jit`` without a host sync. Host values (numpy arrays,
+  Python floats) are checked on the host as they are: made a jax array, a
+  float64 value would first be narrowed to float32 (1e300 to inf).
+
+  Args:
+    tree: any pytree of arrays.
+
+  Returns:
+    A boolean scalar ``jax.Array``.
+
+  Example:
+    >>> import jax.numpy as jnp, mpx
+    >>> bool(mpx.all_finite({"w": jnp.ones(3), "step": jnp.int32(7)}))
+    True
+    >>> bool(mpx.all_finite({"w": jnp.array([1.0, jnp.inf])}))
+    False
+    >>> big = jnp.full(4, 3e38, jnp.bfloat16)  # finite, though its sum overflows
+    >>> bool(mpx.all_finite(big))
+    True
+  """
+  leaves = [x for x in jax.tree.leaves(tree) if tree_lib.is_floating(x)]
+  on_host = [x for x in leaves if isinstance(x, np.ndarray | np.generic | float)]
+  if not all(bool(np.isfinite(x).all()) for x in on_host):
+    return jnp.asarray(False)
+  on_device = [x for x in leaves if not isinstance(x, np.ndarray | np.generic | float)]
+  # The sums and folds read leaves whole: on several devices they would
+  # gather leaves a mesh splits, so they are XLA:CPU's form on one device.
+  return lowering.by_platform(
+    on_device,
+    cpu=_single_cpu,
+    accelerator=lambda leaves: _all([jnp.isfinite(x).all() for x in leaves]),
+    cpu_needs_one_device=True,
+  )
+
+
+def run_if_finite(
+  finite: jax.Array,
+  step: Callable[..., tuple[Any, Any]],
+  state: Any,
+  *args: Any,
+) -> tuple[Any, Any, jax.Array]:
+  """Runs ``step(state, *args)`` where ``finite`` holds, else keeps ``state``.
+
+  A ``lax.cond`` where the step is lowered for XLA:CPU (it runs only the
+  branch taken), a select elsewhere (XLA:GPU would sync with the host for a
+  conditional); both give the same bits. docs/design.md, "Two platforms, one
+  step".
+
+  Args:
+    finite: scalar bool array.
+    step: ``step(state, *args) -> (new_state, outputs)``, keeping the types
+      of ``state``.
+    state: what ``step`` updates; returned as it is on a skipped step.
+    *args: further arguments of ``step`` (pytrees).
+
+  Returns:
+    ``(new_state, outputs, applied)``: ``step``'s results, or ``state`` and
+    zero ``outputs`` on a skipped step. ``applied`` equals ``finite``; on
+    CPUs it is an output of the cond, so its uses after the cond do not each
+    fuse a copy of the predicate (quadratic in the leaves).
+  """
+  # Every array of `args` is an argument of one jitted step, never a constant:
+  # called eagerly, XLA folds constants in ways it never folds arguments
+  # (`c + (t - c)` to `t`), and an eager step would compute other bits than
+  # the same step under jit. Both forms call it with the same shapes, so the
+  # step (the inner rule) is traced once.
+  flat, treedef = jax.tree.flatten(args)
+  is_array = [isinstance(x, jax.Array | np.ndarray | np.generic) for x in flat]
+
+  @jax.jit
+  def on_arrays(state: Any, arrays: list[Any]) -> tuple[Any, Any]:
+    given = iter(arrays)
+    leaves = [next(given) if array else x for x, array in zip(flat, is_array, strict=True)]
+    return step(state, *jax.tree.unflatten(treedef, leaves))
+
+  arrays = [x for x, array in zip(flat, is_array, strict=True) if array]
+  return lowering.by_platform(
+    finite,
+    state,
+    arrays,
+    cpu=functools.partial(_by_cond, on_arrays),
+    accelerator=functools.partial(_by_select, on_arrays),
+  )
+
+
+def _by_cond(
+  step: Callable[..., tuple[Any, Any]], finite: jax.Array, state: Any, arrays: list[Any]
+) -> tuple[Any, Any, jax.Array]:
+  # The shapes come from jit's cache: the step is traced once for both.
+  # zeros_like keeps the sharding they record, as cond requires of both
+  # branches on explicit meshes.
+  outputs_like = jax.eval_shape(step, state, arrays)[1]
+
+  def apply(state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
+    return *step(state, arrays), jnp.asarray(True)
+
+  def skip(state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
+    del arrays
+    return state, jax.tree.map(jnp.zeros_like, outputs_like), jnp.asarray(False)
+
+  return jax.lax.cond(finite, apply, skip, state, arrays)
+
+
+def _by_select(
+  step: Callable[..., tuple[Any, Any]], finite: jax.Array, state: Any, arrays: list[Any]
+) -> tuple[Any, Any, jax.Array]:
+  new_state, outputs = step(state, arrays)
+  new_flat, treedef = jax.tree.flatten(new_state)
+  kept = [
+    jnp.where(finite, new, old) for new, old in zip(new_flat, jax.tree.leaves(state), strict=True)
+  ]
+  outputs_flat, outputs_def = jax.tree.flatten(outputs)
+  zeroed = [jnp.where(finite, x, jnp.zeros_like(x)) for x in outputs_flat]
+  return jax.tree.unflatten(treedef, kept), jax.tree.unflatten(outputs_def, zeroed), finite
 
 
 def holds_mixed_precision(inner_state: Any) -> bool:
@@ -134,3 +250,135 @@ def no_skip_counted(old_inner: Any, new_inner: Any) -> jax.Array:
   new: list[Any] = state_search.find_states(new_inner, MIXED_PRECISION_STATES)
   same = [jnp.equal(a.nonfinite_steps, b.nonfinite_steps) for a, b in zip(old, new, strict=True)]
   return jnp.asarray(np.bool_(True)) if not same else jnp.stack(same).all()
+
+
+# XLA:CPU's form of the check, on one device (docs/design.md, "The check"):
+# it writes no predicate per element, which is a fifth of an fp16 or bf16
+# AdamW step's time there (benchmarks/xla_cpu_figures.py).
+
+# float16 leaves are folded _FOLD_WIDTH-fold, twice where that leaves _MIN_FOLD_SIZE.
+_FOLD_WIDTH = 16
+_MIN_FOLD_SIZE = _FOLD_WIDTH * 1024
+# Leaves below _SMALL elements share kernels, _GROUP of one shape at a time.
+_GROUP = 16
+_SMALL = 1 << 16
+
+
+def _single_cpu(on_device: list[jax.Array]) -> jax.Array:
+  """Returns the single-CPU form: sums where they prove finiteness, folded
+  flags for dtypes narrower than float32's range."""
+  summed = [x for x in on_device if _float32_range(x)]
+  finite = _all(_elementwise_flags([x for x in on_device if not _float32_range(x)]))
+  if not summed:
+    return finite
+  # Taken only when some sum is inf or NaN: an overflow, or a non-finite element.
+  return finite & jax.lax.cond(
+    _all_finite_values(_sums(summed, lambda x: x, _SMALL)),
+    lambda: jnp.asarray(True),
+    lambda: _all_finite_values(_sums(summed, lambda x: jax.lax.sub(x, x), None)),
+  )
+
+
+def _all(flags: list[jax.Array]) -> jax.Array:
+  """Returns the AND of scalar flags, stacked behind an optimization barrier:
+  without it XLA fuses every leaf's reduction into the one fusion that
+  combines them, and its fusion pass scans that fusion once per reduction
+  (compile time quadratic in the leaves)."""
+  if not flags:
+    return jnp.asarray(True)
+  if len(flags) == 1:
+    return flags[0]
+  return jax.lax.optimization_barrier(jnp.stack(flags)).all()
+
+
+def _all_finite_values(values: list[jax.Array]) -> jax.Array:
+  """Returns whether every scalar is finite: one ``isfinite`` per dtype over
+  the values, stacked behind a barrier."""
+  if len(values) <= 1:
+    return _all([jnp.isfinite(v) for v in values])
+  by_dtype: dict[Any, list[jax.Array]] = {}
+  for value in values:
+    by_dtype.setdefault(jnp.dtype(value.dtype), []).append(value)
+  return _all(
+    [jnp.isfinite(jax.lax.optimization_barrier(jnp.stack(v))).all() for v in by_dtype.values()]
+  )
+
+
+def _float32_range(x: jax.Array) -> bool:
+  """Returns whether ``x`` has float32's range or more (bfloat16, float32,
+  float64): such leaves are summed, the narrower ones checked elementwise."""
+  return float(jnp.finfo(x.dtype).max) > 2.0**100
+
+
+def _groups(leaves: list[jax.Array], below: int | None) -> list[list[jax.Array]]:
+  """Groups leaves of one shape and dtype, up to ``_GROUP`` a group, where they
+  have fewer than ``below`` elements (any, for None); larger leaves alone."""
+  groups: list[list[jax.Array]] = []
+  open_groups: dict[Any, list[jax.Array]] = {}
+  for x in leaves:
+    if below is not None and x.size >= below:
+      groups.append([x])
+      continue
+    group = open_groups.setdefault((x.shape, jnp.dtype(x.dtype)), [])
+    if not group:
+      groups.append(group)
+    group.append(x)
+    if len(group) == _GROUP:
+      del open_groups[(x.shape, jnp.dtype(x.dtype))]
+  return groups
+
+
+def _sums(
+  leaves: list[jax.Array], term: Callable[[jax.Array], jax.Array], below: int | None
+) -> list[jax.Array]:
+  """Returns per group the sum of ``term(x)`` added elementwise over the
+  group's leaves, in float32 or wider; a non-finite term makes it non-finite."""
+  sums = []
+  for group in _groups(leaves, below):
+    dtype = jnp.promote_types(group[0].dtype, jnp.float32)
+    total = term(group[0]).astype(dtype)
+    for x in group[1:]:
+      total = jax.lax.add(total, term(x).astype(dtype))  # lax: no nested jit per leaf
+    sums.append(jnp.sum(total))
+  return sums
+
+
+def _elementwise_flags(leaves: list[jax.Array]) -> list[jax.Array]:
+  """Returns one flag per group of leaves of one shape, of any size."""
+  return [_folded_finite(group) for group in _groups(leaves, None)]
+
+
+def _folded_finite(group: list[jax.Array]) -> jax.Array:
+  """Returns ``isfinite(x).all()`` over a group of leaves of one shape, AND-ing
+  ``_FOLD_WIDTH`` blocks of the group's leaves elementwise before reducing
+  (twice for a large leaf)."""
+  flats = [jnp.reshape(x, -1) for x in group]
+  blocks = max(1, _FOLD_WIDTH // len(flats))
+  block = flats[0].size // blocks
+  if block == 0:  # fewer elements than blocks
+    return _and_of_blocks([jnp.isfinite(flat) for flat in flats]).all()
+  # isfinite is applied per block: XLA leaves one isfinite over the whole leaf
+  # unfused, writing a predicate per element.
+  parts = [jnp.isfinite(flat[i * block : (i + 1) * block]) for flat in flats for i in range(blocks)]
+  folded = _and_of_blocks(parts)
+  ok = jnp.asarray(True)
+  if blocks * block < flats[0].size:  # fewer than `blocks` elements past the last block
+    ok = _and_of_blocks([jnp.isfinite(flat[blocks * block :]) for flat in flats]).all()
+  if folded.size >= _MIN_FOLD_SIZE:
+    inner = folded.size // _FOLD_WIDTH
+    ok &= folded[_FOLD_WIDTH * inner :].all()
+    folded = _and_of_blocks(_blocks(folded, inner))
+  return ok & folded.all()
+
+
+def _blocks(flat: jax.Array, block: int) -> list[jax.Array]:
+  """Returns the first ``_FOLD_WIDTH`` consecutive blocks of ``block`` elements."""
+  return [flat[i * block : (i + 1) * block] for i in range(_FOLD_WIDTH)]
+
+
+def _and_of_blocks(parts: list[jax.Array]) -> jax.Array:
+  """Returns the elementwise AND of ``parts``."""
+  result = parts[0]
+  for part in parts[1:]:
+    result = result & part
+  return result
