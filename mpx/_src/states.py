@@ -127,9 +127,52 @@ class Nonnegative8bitMoment(NamedTuple):
   scales: jax.Array
 
 
+class Signed4bitMoment(NamedTuple):
+  """A float32 leaf of the inner rule's state that may take either sign (a
+  first moment) stored in 4 bits (``mixed_precision(..., moments="4bit")``);
+  :func:`mpx.inner_state` gives it back in float32.
+
+  Attributes:
+    codes: uint8, ``(*shape[:-1], shape[-1] // 2)``: two codes a byte (element
+      ``2i`` in the low nibble), each a sign bit and a 3-bit magnitude level
+      relative to the element's block.
+    scales: float32, ``(*shape[:-1], n_blocks + shape[-1] % 2)``: the largest
+      magnitude of each block of at most 128 elements along the last axis;
+      for an odd last axis, then the row's last element itself.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+
+
+class Nonnegative4bitMoment(NamedTuple):
+  """A non-negative float32 leaf of the inner rule's state (a second moment)
+  stored in 4 bits (``mixed_precision(..., moments="4bit")``): a positive
+  value never decodes to zero. :func:`mpx.inner_state` gives it back in
+  float32.
+
+  Attributes:
+    codes: uint8, ``(*shape[:-1], shape[-1] // 2)``: two codes a byte, each
+      zero or one of 15 levels ``{1, 3/4} * 2**-e`` (down to ``2**-7``) of the
+      element's block maximum.
+    scales: float32, ``(*shape[:-1], n_blocks + shape[-1] % 2)``: the largest
+      value of each block of at most 128 elements along the last axis; for an
+      odd last axis, then the row's last element itself.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+
+
 # Every stored form of a compressed moment: a node of the inner state that
 # stands for one float32 leaf of the inner rule's state.
-COMPRESSED_MOMENTS: tuple[type, ...] = (Bfloat16Moment, Signed8bitMoment, Nonnegative8bitMoment)
+COMPRESSED_MOMENTS: tuple[type, ...] = (
+  Bfloat16Moment,
+  Signed8bitMoment,
+  Nonnegative8bitMoment,
+  Signed4bitMoment,
+  Nonnegative4bitMoment,
+)
 
 
 class LossScaleState(NamedTuple):

@@ -1,0 +1,355 @@
+"""How far Adam with 4-bit moments strays from float32 Adam, fed one heavy-tailed
+gradient stream: mpx's 8-bit and 4-bit codes (mpx/_src/moment_codes_4bit.py),
+per-field mixes, and torchao's ``AdamW4bit`` (issue 37, "4-bit moments").
+
+The stream: Student t (``--df`` degrees of freedom, 2.5 by default) times a
+scale per row, log-uniform over 1e-3 .. 1, shape ``--shape`` (512x1024), for
+``--steps`` (200) steps, written once to ``stream.npy`` under ``--workdir``.
+Every format runs Adam (b1 0.9, b2 0.999, eps 1e-8) on it: optax's
+``scale_by_adam`` for float32, and, for a compressed format, decode, one
+float32 ``scale_by_adam`` update, encode, as ``mixed_precision`` runs it.
+torchao's ``AdamW4bit`` (lr 1, no weight decay, its parameter zeroed before
+each step, so that it holds minus the update afterwards) runs in a subprocess
+of ``--torch-python`` (a Python with torch and torchao), which reads the same
+``stream.npy``; this process needs no torch. Without that Python its row is
+left out.
+
+The formats: mpx's 8-bit code (stochastic rounding, as ``moments="8bit"``);
+mpx's 4-bit code (block maxima only for both moments, no column scales) with
+``mu`` rounded to nearest and ``nu`` stochastically (the rounding each moment
+measured best with), with both stochastic, both to nearest, and with ``nu`` on
+the paper's linear map ``k / 15`` (in the same blocks); 8-bit ``mu`` with 4-bit
+``nu``; each 4-bit moment alone with the other in float32; torchao.
+
+Printed per format, after the last step: the relative error (``|c - f|_2 /
+|f|_2``) of the stored ``mu`` and ``nu`` against float32 Adam's; ``nu bias``,
+the mean of ``nu / float32 nu``; the cosine and the relative error of Adam's
+direction from the stored moments, ``mu_hat / (sqrt(nu_hat) + eps)``, and
+of the update the last step emitted; how many positive float32 ``nu`` the
+format stored as zero, at the end and summed over the steps; and the bytes
+per element of ``mu`` and ``nu`` together. Then the direction and update
+errors as ratios to torchao's and to mpx's 8-bit.
+
+Measured (jax 0.10.2, torch 2.14.1, torchao 0.18.0, 2-core CPU, defaults):
+direction error 0.476 for mpx's 4-bit (1.06 bytes an element for both
+moments), 0.528 for torchao's AdamW4bit (1.06), 0.213 for 8-bit ``mu`` with
+4-bit ``nu`` (1.55), 0.085 for 8 bits (2.03); 4-bit ``mu`` alone 0.427,
+4-bit ``nu`` alone 0.206 (0.296 on the linear map); no format stored a
+positive ``nu`` as zero.
+
+Run: ``.venv/bin/python benchmarks/moment_codes_4bit_error.py [--steps 200]
+[--shape 512x1024] [--torch-python /path/to/python]``; about a minute and a
+half on 2 cores, 45 s of it torchao's 200 steps (torch.compile's first among
+them). For torchao, make a virtual environment with ``pip install torch
+torchao numpy`` (PyPI's torch runs on the CPU) and pass its Python, or set
+``MPX_TORCH_PYTHON``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpx._src import moment_codes as mc8
+from mpx._src import moment_codes_4bit as mc4
+from mpx._src import rounding
+
+B1, B2, EPS = 0.9, 0.999, 1e-8
+Array = jax.Array
+
+
+def write_stream(path: str, shape: tuple[int, int], steps: int, df: float, seed: int = 0) -> None:
+  """Writes ``steps`` gradients of ``shape`` (float32) to ``path``: Student t
+  with ``df`` degrees of freedom, each row times a scale in 1e-3 .. 1."""
+  rng = np.random.default_rng(seed)
+  rows = (10.0 ** rng.uniform(-3, 0, (shape[0], 1))).astype(np.float32)
+  out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(steps, *shape))
+  for t in range(steps):
+    out[t] = rows * rng.standard_t(df, shape).astype(np.float32)
+  out.flush()
+  del out
+
+
+Encode = Callable[[Array, Array, Array], Any]  # (x, key, step) -> stored
+Decode = Callable[[Any], Array]
+
+
+def code(name: str, sign: mc4.Sign, stochastic: bool) -> tuple[Encode, Decode]:
+  """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"``, or
+  ``"4bit linear"`` (mpx's 4-bit nonnegative code on the paper's map, k / 15)."""
+  if name == "f32":
+    return (lambda x, key, step: x), (lambda s: s)
+  if name == "8bit":
+    return (lambda x, key, step: mc8.encode(x, sign, key, step, stochastic)), mc8.decode
+  if name == "4bit":
+    return (lambda x, key, step: mc4.encode(x, sign, key, step, stochastic)), mc4.decode
+  if name == "4bit linear" and sign == "nonnegative":
+    linear = mc4._Code(mc4.LINEAR_LEVELS, False)
+    salted = lambda key: mc4._salted(key, sign)  # noqa: E731
+    return (
+      lambda x, key, step: mc4._encode(linear, x, salted(key), step, stochastic, None),
+      lambda stored: mc4._decode(linear, stored),
+    )
+  raise ValueError(name)
+
+
+def bytes_of(name: str, sign: mc4.Sign, shape: tuple[int, ...]) -> float:
+  if name == "f32":
+    return 4.0
+  if name == "8bit":
+    return mc8.bytes_per_element(shape)
+  return mc4.bytes_per_element(shape, sign)
+
+
+NEAREST, STOCHASTIC = False, True
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """How one Adam state stores ``mu`` and ``nu``: a code and a rounding each."""
+
+  label: str
+  mu: tuple[str, bool]
+  nu: tuple[str, bool]
+
+  def coders(self) -> tuple[tuple[Encode, Decode], tuple[Encode, Decode]]:
+    return code(self.mu[0], "signed", self.mu[1]), code(self.nu[0], "nonnegative", self.nu[1])
+
+  def bytes(self, shape: tuple[int, ...]) -> float:
+    return bytes_of(self.mu[0], "signed", shape) + bytes_of(self.nu[0], "nonnegative", shape)
+
+
+FORMATS = (
+  Format("mpx 8bit (stochastic)", ("8bit", STOCHASTIC), ("8bit", STOCHASTIC)),
+  Format("mpx 4bit: mu nearest, nu stoch.", ("4bit", NEAREST), ("4bit", STOCHASTIC)),
+  Format("mpx 4bit, both stochastic", ("4bit", STOCHASTIC), ("4bit", STOCHASTIC)),
+  Format("mpx 4bit, both nearest", ("4bit", NEAREST), ("4bit", NEAREST)),
+  Format("mpx 4bit, nu linear k/15", ("4bit", NEAREST), ("4bit linear", STOCHASTIC)),
+  Format("mpx 8bit mu + 4bit nu", ("8bit", STOCHASTIC), ("4bit", STOCHASTIC)),
+  Format("mpx 4bit mu (nearest), f32 nu", ("4bit", NEAREST), ("f32", NEAREST)),
+  Format("mpx f32 mu, 4bit nu (stoch.)", ("f32", NEAREST), ("4bit", STOCHASTIC)),
+  Format("mpx f32 mu, 4bit nu linear", ("f32", NEAREST), ("4bit linear", STOCHASTIC)),
+)
+
+
+def run_jax(stream: np.ndarray, formats: tuple[Format, ...]) -> dict[str, dict[str, Any]]:
+  """Runs float32 Adam and each format on ``stream``; returns, per label, the
+  stored ``mu``, ``nu`` (decoded), the last update and the zero counts."""
+  steps, *shape = stream.shape
+  adam = optax.scale_by_adam(B1, B2, EPS)
+  key = jnp.asarray(rounding.leaf_key(0, 0))
+  coders = [f.coders() for f in formats]
+  zeros = jnp.zeros(shape, jnp.float32)
+
+  def init() -> Any:
+    stored = [
+      (mu[0](zeros, key, jnp.int32(0)), nu[0](zeros, key, jnp.int32(0))) for mu, nu in coders
+    ]
+    return adam.init(zeros), stored, [jnp.int32(0)] * len(formats)
+
+  @jax.jit
+  def step(carry: Any, g: Array, t: Array) -> tuple[Any, Any]:
+    ref, stored, counts = carry
+    u_ref, ref = adam.update(g, ref)
+    new_stored, new_counts, updates, lost_now = [], [], [], []
+    for (mu_c, nu_c), (s_mu, s_nu), count in zip(coders, stored, counts, strict=True):
+      mu, nu = mu_c[1](s_mu).reshape(shape), nu_c[1](s_nu).reshape(shape)
+      u, state = adam.update(g, optax.ScaleByAdamState(ref.count - 1, mu, nu))
+      s_mu, s_nu = mu_c[0](state.mu, key, t), nu_c[0](state.nu, key, t)
+      nu_stored = nu_c[1](s_nu).reshape(shape)
+      lost = jnp.sum((ref.nu > 0) & (nu_stored == 0)).astype(jnp.int32)
+      new_stored.append((s_mu, s_nu))
+      new_counts.append(count + lost)
+      updates.append(u)
+      lost_now.append(lost)
+    return (ref, new_stored, new_counts), (u_ref, updates, lost_now)
+
+  carry = init()
+  for t in range(steps):
+    carry, (u_ref, updates, lost_now) = step(carry, jnp.asarray(stream[t]), jnp.int32(t + 1))
+  ref, stored, counts = carry
+  out = {"float32": {"mu": ref.mu, "nu": ref.nu, "update": u_ref, "zeros": 0, "zeros_end": 0}}
+  for f, (mu_c, nu_c), (s_mu, s_nu), count, u, lost in zip(
+    formats, coders, stored, counts, updates, lost_now, strict=True
+  ):
+    out[f.label] = {
+      "mu": mu_c[1](s_mu).reshape(shape),
+      "nu": nu_c[1](s_nu).reshape(shape),
+      "update": u,
+      "zeros": count,
+      "zeros_end": lost,
+    }
+  return jax.tree.map(np.asarray, out)
+
+
+TORCH_SCRIPT = textwrap.dedent(
+  """
+  import sys, time
+  import numpy as np
+  import torch
+  from torchao.optim import AdamW4bit
+
+  torch.set_num_threads(2)
+  stream_path, out_path, b1, b2, eps = sys.argv[1], sys.argv[2], *map(float, sys.argv[3:6])
+  stream = np.load(stream_path, mmap_mode="r")
+  p = torch.nn.Parameter(torch.zeros(stream.shape[1:], dtype=torch.float32))
+  opt = AdamW4bit([p], lr=1.0, betas=(b1, b2), eps=eps, weight_decay=0.0)
+  seen = torch.zeros(stream.shape[1:], dtype=torch.bool)
+  zeros = 0
+  start = time.time()
+  for t in range(stream.shape[0]):
+      g = torch.from_numpy(np.array(stream[t]))
+      seen |= g != 0
+      with torch.no_grad():
+          p.zero_()
+      p.grad = g
+      opt.step()
+      nu = opt.state[p]["exp_avg_sq"].dequantize()
+      lost = int(((nu == 0) & seen).sum())
+      zeros += lost
+  state = opt.state[p]
+  print(f"torchao {type(state['exp_avg']).__name__} x2, {stream.shape[0]} steps in "
+        f"{time.time() - start:.0f} s", file=sys.stderr)
+  np.savez(
+      out_path,
+      mu=state["exp_avg"].dequantize().numpy(),
+      nu=state["exp_avg_sq"].dequantize().numpy(),
+      update=-p.detach().numpy(),
+      zeros=zeros,
+      zeros_end=lost,
+      block_size=opt.block_size,
+  )
+  """
+)
+
+
+def run_torchao(python: str, stream_path: str, workdir: str) -> dict[str, np.ndarray] | None:
+  """Runs torchao's AdamW4bit in a subprocess of ``python`` on the stream."""
+  script, out = os.path.join(workdir, "torchao_adamw4bit.py"), os.path.join(workdir, "torchao.npz")
+  with open(script, "w") as f:
+    f.write(TORCH_SCRIPT)
+  args = [python, script, stream_path, out, str(B1), str(B2), str(EPS)]
+  done = subprocess.run(args, capture_output=True, text=True, check=False)
+  if done.returncode:
+    print(f"torchao run failed ({done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
+    return None
+  print(done.stderr.strip().splitlines()[-1], file=sys.stderr)
+  with np.load(out) as data:
+    return {k: data[k] for k in data.files}
+
+
+def direction(mu: np.ndarray, nu: np.ndarray, steps: int) -> np.ndarray:
+  """Adam's direction from stored moments, in float64."""
+  mu_hat = mu.astype(np.float64) / (1 - B1**steps)
+  nu_hat = nu.astype(np.float64) / (1 - B2**steps)
+  return mu_hat / (np.sqrt(np.maximum(nu_hat, 0)) + EPS)
+
+
+def rel(c: np.ndarray, f: np.ndarray) -> float:
+  c, f = c.astype(np.float64), f.astype(np.float64)
+  return float(np.linalg.norm(c - f) / np.linalg.norm(f))
+
+
+def cosine(c: np.ndarray, f: np.ndarray) -> float:
+  c, f = c.astype(np.float64).ravel(), f.astype(np.float64).ravel()
+  return float(c @ f / (np.linalg.norm(c) * np.linalg.norm(f)))
+
+
+def metrics(run: dict[str, Any], ref: dict[str, Any], steps: int) -> dict[str, float]:
+  d, d_ref = direction(run["mu"], run["nu"], steps), direction(ref["mu"], ref["nu"], steps)
+  positive = ref["nu"] > 0
+  return {
+    "mu err": rel(run["mu"], ref["mu"]),
+    "nu err": rel(run["nu"], ref["nu"]),
+    "nu bias": float(np.mean(run["nu"][positive] / ref["nu"][positive])),
+    "dir cos": cosine(d, d_ref),
+    "dir err": rel(d, d_ref),
+    "upd cos": cosine(run["update"], ref["update"]),
+    "upd err": rel(run["update"], ref["update"]),
+    "zeros end": int(run["zeros_end"]),
+    "zeros sum": int(run["zeros"]),
+  }
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--shape", default="512x1024")
+  parser.add_argument("--df", type=float, default=2.5)
+  parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "mpx_4bit_error"))
+  parser.add_argument(
+    "--torch-python",
+    default=os.environ.get("MPX_TORCH_PYTHON", ""),
+    help="a Python with torch and torchao (default: $MPX_TORCH_PYTHON); none: no torchao",
+  )
+  args = parser.parse_args()
+  shape = tuple(int(s) for s in args.shape.split("x"))
+  assert len(shape) == 2
+  os.makedirs(args.workdir, exist_ok=True)
+  stream_path = os.path.join(args.workdir, "stream.npy")
+  start = time.time()
+  write_stream(stream_path, (shape[0], shape[1]), args.steps, args.df)
+  print(
+    f"jax {jax.__version__}, {jax.devices()[0].platform}; stream {shape} x {args.steps} "
+    f"steps, Student t ({args.df} dof), row scales 1e-3 .. 1 ({time.time() - start:.0f} s)"
+  )
+  stream = np.load(stream_path, mmap_mode="r")
+
+  torch_result: dict[str, Any] | None = None
+  if args.torch_python and os.path.exists(args.torch_python):
+    start = time.time()
+    torch_result = run_torchao(args.torch_python, stream_path, args.workdir)
+    print(f"torchao subprocess: {time.time() - start:.0f} s", file=sys.stderr)
+  else:
+    print(f"no Python at {args.torch_python!r}: torchao's AdamW4bit left out", file=sys.stderr)
+
+  start = time.time()
+  runs = run_jax(stream, FORMATS)
+  print(f"jax formats: {time.time() - start:.0f} s", file=sys.stderr)
+  rows: dict[str, tuple[float, dict[str, float]]] = {}
+  for f in FORMATS:
+    rows[f.label] = (f.bytes(shape), metrics(runs[f.label], runs["float32"], args.steps))
+  if torch_result is not None:
+    block = int(torch_result["block_size"])
+    ao_bytes = 2 * (0.5 + 4 / block)
+    rows["torchao AdamW4bit"] = (ao_bytes, metrics(torch_result, runs["float32"], args.steps))
+
+  columns = list(next(iter(rows.values()))[1])
+  print(f"\n## After {args.steps} steps: stored moments and Adam's direction vs float32 Adam")
+  print("mu/nu err: |c - f| / |f|; nu bias: mean nu / f32 nu; dir: mu_hat / (sqrt(nu_hat) + eps)")
+  print("from the stored moments; upd: the update the last step emitted; zeros: positive f32 nu")
+  print("stored as 0 (at the end; summed over steps); B/el: bytes per element of mu + nu\n")
+  print(f"| {'format':31} | {'B/el':>6} | " + " | ".join(f"{c:>9}" for c in columns) + " |")
+  print(f"|:{'-' * 31}-|{'-' * 7}:|" + "|".join("-" * 10 + ":" for _ in columns) + "|")
+  for label, (nbytes, m) in rows.items():
+    cells = [f"{m[c]:>9d}" if c.startswith("zeros") else f"{m[c]:>9.4f}" for c in columns]
+    print(f"| {label:31} | {nbytes:>6.3f} | " + " | ".join(cells) + " |")
+
+  print("\n## Ratios: direction and update error over torchao AdamW4bit's and over mpx 8bit's\n")
+  bases = [b for b in ("torchao AdamW4bit", "mpx 8bit (stochastic)") if b in rows]
+  short = {"torchao AdamW4bit": "torchao", "mpx 8bit (stochastic)": "mpx 8bit"}
+  head = [f"{what} / {short[b]}" for b in bases for what in ("dir", "upd")]
+  print(f"| {'format':31} | {'bytes / f32':>11} | " + " | ".join(f"{h:>17}" for h in head) + " |")
+  print(f"|:{'-' * 31}-|{'-' * 12}:|" + "|".join("-" * 18 + ":" for _ in head) + "|")
+  for label, (nbytes, m) in rows.items():
+    ratios = [m[what] / rows[b][1][what] for b in bases for what in ("dir err", "upd err")]
+    print(
+      f"| {label:31} | {nbytes / 8:>11.3f} | " + " | ".join(f"{r:>17.3f}" for r in ratios) + " |"
+    )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,451 @@
+"""The 4-bit moment codes: two codes a byte, a float32 scale per block of 128.
+
+Pure lax functions, as :mod:`mpx._src.moment_codes` for 8 bits: :func:`encode`
+and :func:`decode` for the code of each sign, :func:`maxima` for the scales
+alone (a first pass that ``encode(..., scales=...)`` codes against),
+:func:`stored_shapes` and :func:`bytes_per_element`. The levels, the layout
+and the measurements behind them: docs/moment_codes.md, "4 bits".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, NamedTuple, TypeAlias
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpx._src import rounding
+from mpx._src.states import Nonnegative4bitMoment, Signed4bitMoment
+
+Sign = Literal["signed", "nonnegative"]
+SIGNS: tuple[Sign, ...] = ("signed", "nonnegative")
+
+# Blocks hold at most this many elements along the last axis; ``block_layout``
+# prefers an even size in (MAX_BLOCK / 2, MAX_BLOCK] that divides.
+MAX_BLOCK = 128
+# The shortest last axis for which the 4-bit code pays: a row of n <= 128
+# elements costs n // 2 bytes of codes, 4 of its block's scale and, for an odd
+# n, 4 more for its last element (in float32), against bfloat16's 2 n. That is
+# less from n = 4 (6 bytes against 8) but for n = 5 (10 against 10), and for
+# every n >= 6 (7 against 12; 11 against 14 for n = 7; under 0.6 bytes an
+# element past 128). Shorter rows are for bfloat16, as
+# ``moments.MIN_ROW_8BIT`` routes them for the 8-bit code.
+MIN_ROW = 6
+
+# Independent random bits per sign (and apart from the 8-bit code's salts).
+_SALTS = {"signed": 0xA54FF53A, "nonnegative": 0x510E527F}
+_TINY = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32
+_SIGN_BIT = 8  # the signed code's sign, above its 3-bit magnitude
+
+
+def _de_magnitudes(bits: int = 3) -> np.ndarray:
+  """The dynamic-exponent map's magnitudes for ``bits`` bits after the sign:
+  ``e`` leading zeros, an indicator bit, ``bits - 1 - e`` fraction bits over
+  [0.1, 1] at decade ``10**-e`` (bin midpoints), and zero; divided by the
+  largest, ascending, float64."""
+  out = [0.0]
+  for e in range(bits):
+    f = bits - 1 - e
+    out += [10.0**-e * (0.1 + 0.9 * (j + 0.5) / 2**f) for j in range(2**f)]
+  levels = np.sort(np.asarray(out))
+  return levels / levels[-1]
+
+
+# The signed code's magnitudes, index = the code's low 3 bits: 0 and 7 levels
+# up to 1.0 (0.0062, 0.0366, 0.0873, 0.2394, 0.4930, 0.7465, 1).
+SIGNED_LEVELS = _de_magnitudes().astype(np.float32)
+
+
+def _float_levels(mantissas: tuple[float, ...] = (1.0, 0.75), count: int = 15) -> np.ndarray:
+  """``count`` float-like levels from 1 down: ``m * 2**-e`` for each mantissa
+  ``m`` of each octave ``e``; with 0 first, ascending, float64."""
+  out = [m * 2.0**-e for e in range(count) for m in mantissas][:count]
+  return np.concatenate([[0.0], np.sort(out)])
+
+
+# The nonnegative code's levels, index = the code: 0 (only for x <= 0), then 15
+# levels up to 1.0: 2**-7, 0.0117, 2**-6, ..., 0.375, 0.5, 0.75, 1.
+NONNEGATIVE_LEVELS = _float_levels().astype(np.float32)
+# The paper's map for a second moment, k / 15 here (0 kept for x <= 0), which
+# the benchmark compares.
+LINEAR_LEVELS = (np.arange(16) / np.float32(15)).astype(np.float32)
+
+
+class _Code(NamedTuple):
+  """A 4-bit code: its magnitudes ascending from 0 to 1 (8 signed, with a sign
+  bit above; 16 nonnegative, where 0 is only for a value that is not positive)."""
+
+  levels: np.ndarray
+  signed: bool
+
+
+CODES: dict[str, _Code] = {
+  "signed": _Code(SIGNED_LEVELS, True),
+  "nonnegative": _Code(NONNEGATIVE_LEVELS, False),
+}
+
+
+FourBitMoment: TypeAlias = Signed4bitMoment | Nonnegative4bitMoment
+STORED_TYPES: dict[Sign, type[FourBitMoment]] = {
+  "signed": Signed4bitMoment,
+  "nonnegative": Nonnegative4bitMoment,
+}
+
+
+def block_layout(n: int) -> tuple[int, int]:
+  """Returns ``(block_size, n_blocks)`` for a row of ``n`` coded elements (even,
+  or 0): one block up to ``MAX_BLOCK``; else the even divisor in (64, 128] that
+  leaves the block count with the most factors of two, then the largest (4096:
+  32 blocks of 128; 768: 8 of 96; 11008: 128 of 86; 50256: 698 of 72), so that
+  sharding the axis 2, 4, 8... ways splits it on block boundaries; else
+  ``ceil(n / 128)`` blocks of an even size, the last short (4098: 33 of 126).
+  Smaller divisors would cost more in scales than 4-bit codes save.
+  """
+  if n <= MAX_BLOCK:
+    return n, 1 if n else 0
+
+  def twos(k: int) -> int:
+    return (k & -k).bit_length()
+
+  divisors = [d for d in range(MAX_BLOCK // 2 + 2, MAX_BLOCK + 1, 2) if n % d == 0]
+  if divisors:
+    size = max(divisors, key=lambda d: (twos(n // d), d))
+    return size, n // size
+  blocks = -(-n // MAX_BLOCK)
+  size = -(-n // blocks)
+  size += size % 2
+  return size, -(-n // size)
+
+
+def _check(shape: tuple[int, ...], sign: str) -> None:
+  if sign not in SIGNS:
+    raise ValueError(f"sign must be one of {SIGNS}, got {sign!r}")
+  if not shape or math.prod(shape) == 0:
+    raise ValueError(f"4-bit codes take a leaf of one or more axes and elements, got {shape}")
+
+
+def stored_shapes(shape: tuple[int, ...], sign: Sign) -> FourBitMoment:
+  """Returns the stored form of a float32 leaf of ``shape`` as
+  ``jax.ShapeDtypeStruct``s in the stored type of ``sign``."""
+  shape = tuple(shape)
+  _check(shape, sign)
+  lead = shape[:-1]
+
+  def u8(s: tuple[int, ...]) -> Any:
+    return jax.ShapeDtypeStruct(s, jnp.uint8)
+
+  def f32(s: tuple[int, ...]) -> Any:
+    return jax.ShapeDtypeStruct(s, jnp.float32)
+
+  layout = _Layout.of(shape)
+  codes = u8((*lead, layout.body // 2))
+  scales = f32((*lead, layout.blocks + layout.tail))
+  return STORED_TYPES[sign](codes, scales)
+
+
+def bytes_per_element(shape: tuple[int, ...], sign: Sign) -> float:
+  """Returns the bytes the 4-bit form of a leaf of ``shape`` stores per element:
+  half a byte a code plus the float32 scales (an odd row's last element among
+  them), over its size; the same for either sign."""
+  stored = stored_shapes(shape, sign)
+  total = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in stored)
+  return total / math.prod(shape)
+
+
+def sign_of(stored: FourBitMoment) -> Sign:
+  """Returns the sign whose code ``stored`` holds."""
+  for sign, stored_type in STORED_TYPES.items():
+    if isinstance(stored, stored_type):
+      return sign
+  raise ValueError(
+    f"expected a Signed4bitMoment or a Nonnegative4bitMoment, got {type(stored).__name__}"
+  )
+
+
+# --- Helpers ------------------------------------------------------------------
+
+
+class _Layout(NamedTuple):
+  """Where a leaf of ``shape`` puts its elements: the first ``body`` (even) of
+  each row in ``blocks`` blocks of ``size`` along the last axis, then ``tail``
+  (0 or 1) last element stored in float32."""
+
+  lead: tuple[int, ...]
+  n: int
+  body: int
+  size: int
+  blocks: int
+  tail: int
+
+  @classmethod
+  def of(cls, shape: tuple[int, ...]) -> _Layout:
+    *lead, n = shape
+    body = n - n % 2
+    return cls(tuple(lead), n, body, *block_layout(body), n % 2)
+
+  @classmethod
+  def of_codes(cls, codes_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> _Layout:
+    """The layout whose codes and scales have these shapes: ``n`` is odd where
+    the scales hold one more entry a row than the blocks."""
+    *lead, pairs = codes_shape
+    body = 2 * pairs
+    size, blocks = block_layout(body)
+    if tuple(scales_shape[:-1]) != tuple(lead) or scales_shape[-1] not in (blocks, blocks + 1):
+      raise ValueError(
+        f"scales of shape {scales_shape} do not match codes of shape {codes_shape}: expected "
+        f"{(*lead, blocks)} (an even last axis) or {(*lead, blocks + 1)} (an odd one)"
+      )
+    tail = scales_shape[-1] - blocks
+    return cls(tuple(lead), body + tail, body, size, blocks, tail)
+
+  def wide(self, block_max: jax.Array) -> jax.Array:
+    """Each block's value broadcast to its elements of the body."""
+    full = jnp.broadcast_to(block_max[..., None], (*self.lead, self.blocks, self.size))
+    return _unblocked(full, self.body)
+
+
+def _salted(key: jax.Array, sign: str) -> jax.Array:
+  return jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS[sign]))
+
+
+def _blocked(x: jax.Array, size: int, blocks: int) -> jax.Array:
+  """``x``'s last axis cut into ``(blocks, size)``, zero-padded at the end."""
+  pad = size * blocks - x.shape[-1]
+  if pad:
+    x = jax.lax.pad(x, np.float32(0), [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)])
+  return x.reshape((*x.shape[:-1], blocks, size))
+
+
+def _unblocked(wide: jax.Array, n: int) -> jax.Array:
+  """Merges the last two axes and drops the padding past ``n``."""
+  wide = wide.reshape((*wide.shape[:-2], wide.shape[-2] * wide.shape[-1]))
+  return jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1) if wide.shape[-1] != n else wide
+
+
+def _max_over(x: jax.Array, axes: tuple[int, ...], signed: bool) -> jax.Array:
+  """The largest magnitude (signed) or value (nonnegative) over ``axes``, at
+  least 0; as a two-result reduction, which XLA:CPU fuses its producer into
+  (docs/moment_codes.md, ``_block_scales``)."""
+  zero = np.float32(0)
+  second = jax.lax.min if signed else jax.lax.max
+
+  def reducer(
+    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
+  ) -> tuple[jax.Array, jax.Array]:
+    return jax.lax.max(a[0], b[0]), second(a[1], b[1])
+
+  largest, other = jax.lax.reduce((x, x), (zero, zero), reducer, axes)
+  return jax.lax.max(largest, jax.lax.neg(other) if signed else other)
+
+
+def _positive(x: jax.Array) -> jax.Array:
+  """``x > 0`` read from the bits, so that a positive subnormal counts even
+  where the hardware flushes it to zero."""
+  return jax.lax.gt(jax.lax.bitcast_convert_type(x, jnp.int32), np.int32(0))
+
+
+def _tail_nonnegative(tail: jax.Array) -> jax.Array:
+  """A nonnegative odd row's last element as stored: itself, at least the
+  smallest normal if positive, 0 if not positive."""
+  kept = jax.lax.max(tail, jnp.full_like(tail, _TINY))
+  return jax.lax.select(_positive(tail), kept, jnp.zeros_like(tail))
+
+
+def _ratio(magnitude: jax.Array, scale: jax.Array) -> jax.Array:
+  """``magnitude / scale`` clamped to [0, 1] (a scale of 0 divides by 1): a
+  scale below the magnitude gives the top level, never a wrap."""
+  safe = jax.lax.select(jax.lax.gt(scale, np.float32(0)), scale, jnp.ones_like(scale))
+  a = jax.lax.div(magnitude, safe)
+  return jax.lax.clamp(np.float32(0), a, np.float32(1))
+
+
+def _uniform(key: jax.Array, step: jax.Array, shape: tuple[int, ...], n: int) -> jax.Array:
+  """Uniform float32 in [0, 1), 24 bits, per element of a leaf of ``shape``,
+  sliced to the first ``n`` along its last axis."""
+  bits = rounding.random_bits(key, jnp.asarray(step, jnp.int32), shape)
+  if shape[-1] != n:
+    bits = jax.lax.slice_in_dim(bits, 0, n, axis=len(shape) - 1)
+  # Via int32 (24 bits fit): uint32 to float32 does not vectorize on CPU.
+  top = jax.lax.shift_right_logical(bits, np.uint32(8)).astype(jnp.int32)
+  return jax.lax.mul(top.astype(jnp.float32), np.float32(2.0**-24))
+
+
+def _lookup(index: jax.Array, table: np.ndarray) -> jax.Array:
+  """``table[index]`` for a small constant table, as a chain of selects."""
+  out = jnp.full(index.shape, table[0], jnp.float32)
+  for i in range(1, len(table)):
+    out = jax.lax.select(jax.lax.eq(index, np.int32(i)), jnp.full_like(out, table[i]), out)
+  return out
+
+
+def _pack(codes: jax.Array) -> jax.Array:
+  """int32 codes in [0, 16), an even count along the last axis, two a byte."""
+  pairs = codes.reshape((*codes.shape[:-1], codes.shape[-1] // 2, 2))
+  low, high = pairs[..., 0], pairs[..., 1]
+  return jax.lax.bitwise_or(low, jax.lax.shift_left(high, np.int32(4))).astype(jnp.uint8)
+
+
+def _unpack(codes: jax.Array) -> jax.Array:
+  """The int32 codes of a packed uint8 array, twice as many along the last axis."""
+  k = jnp.asarray(codes).astype(jnp.int32)
+  low = jax.lax.bitwise_and(k, np.int32(15))
+  high = jax.lax.shift_right_logical(k, np.int32(4))
+  pairs = jnp.stack([low, high], axis=-1)
+  return pairs.reshape((*k.shape[:-1], 2 * k.shape[-1]))
+
+
+def _round(a: jax.Array, levels: np.ndarray, u: jax.Array | None) -> jax.Array:
+  """The index of ``a`` (in [0, 1]) among ``levels`` (ascending, from 0 to 1):
+  the nearest (ties up) when ``u`` is None, else the one below or above with
+  probabilities proportional to the distance to the other (unbiased)."""
+  index = jnp.zeros(a.shape, jnp.int32)
+  if u is None:
+    mids = (levels[:-1].astype(np.float64) + levels[1:]) / 2
+    for mid in mids.astype(np.float32):
+      index = jax.lax.add(index, jax.lax.ge(a, mid).astype(jnp.int32))
+    return index
+  for level in levels[1:]:
+    index = jax.lax.add(index, jax.lax.ge(a, level).astype(jnp.int32))
+  low = _lookup(index, levels)
+  # The gap above each level (1 above the top, where a - low is 0).
+  gaps = np.append(levels[1:] - levels[:-1], np.float32(1))
+  p = jax.lax.div(jax.lax.sub(a, low), _lookup(index, gaps))
+  return jax.lax.add(index, jax.lax.lt(u, p).astype(jnp.int32))
+
+
+def _check_scales(given: jax.Array, expected: tuple[int, ...], what: str) -> jax.Array:
+  given = jnp.asarray(given, jnp.float32)
+  if given.shape != expected:
+    raise ValueError(f"{what} of shape {given.shape}, expected {expected}")
+  return given
+
+
+# --- The codes ----------------------------------------------------------------
+
+
+def maxima(x: jax.Array, sign: Sign) -> jax.Array:
+  """Returns the scales :func:`encode` computes for ``x``, as its ``scales=``
+  argument takes them, for either sign: float32, ``(*lead, n_blocks + n %
+  2)``, each row's block maxima (the largest magnitude, signed; the largest
+  value, at least 0, nonnegative), then for an odd row its last element as
+  stored. Along the last axis only: nothing is reduced across rows."""
+  x = jnp.asarray(x, jnp.float32)
+  _check(x.shape, sign)
+  return _maxima(x, sign == "signed", _Layout.of(x.shape))
+
+
+def _maxima(x: jax.Array, signed: bool, layout: _Layout) -> jax.Array:
+  body = x[..., : layout.body]
+  blocked = _blocked(body, layout.size, layout.blocks)
+  scales = _max_over(blocked, (x.ndim,), signed)
+  if layout.tail:
+    tail = x[..., layout.body :]
+    scales = jnp.concatenate([scales, tail if signed else _tail_nonnegative(tail)], axis=-1)
+  return scales
+
+
+def encode(
+  x: jax.Array,
+  sign: Sign,
+  key: jax.Array,
+  step: jax.Array,
+  stochastic: bool,
+  scales: jax.Array | None = None,
+) -> FourBitMoment:
+  """Codes ``x`` (float32, one or more axes) in 4 bits per element plus scales.
+
+  Args:
+    x: the moment leaf, float32, finite; under ``"nonnegative"``, values that
+      are not positive code as zero.
+    sign: ``"signed"`` or ``"nonnegative"``: which code.
+    key: uint32 scalar, the leaf's key for random bits.
+    step: int32 scalar, the step the random bits are drawn for; it must change
+      every time the leaf is encoded anew.
+    stochastic: round up or down at random (unbiased but for nonnegative
+      values below the smallest level, which always take it) instead of to
+      nearest.
+    scales: optional, float32 ``(*lead, n_blocks + n % 2)``, the scales to
+      code against, as :func:`maxima` returns them (a first pass); by default,
+      ``maxima(x, sign)``. An element larger than its scale codes to the top
+      level: it decodes to the scale. An odd row's last element (the last
+      entry of each row of ``scales``) is taken from ``x`` whatever is
+      given.
+
+  Returns:
+    A ``Signed4bitMoment`` or ``Nonnegative4bitMoment`` (``STORED_TYPES[sign]``);
+    :func:`decode` turns it back into float32 of ``x``'s shape.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  _check(x.shape, sign)
+  return _encode(CODES[sign], x, _salted(key, sign), step, stochastic, scales)
+
+
+def _encode(
+  code: _Code,
+  x: jax.Array,
+  key: jax.Array,
+  step: jax.Array,
+  stochastic: bool,
+  scales: jax.Array | None,
+) -> FourBitMoment:
+  """``encode`` in ``code``, with an already salted ``key``."""
+  layout = _Layout.of(x.shape)
+  lead, body = layout.lead, layout.body
+  if scales is None:
+    block_max = _maxima(x, code.signed, layout)
+  else:
+    block_max = _check_scales(scales, (*lead, layout.blocks + layout.tail), "scales")
+  if layout.tail and scales is not None:
+    tail = x[..., body:]
+    tail = tail if code.signed else _tail_nonnegative(tail)
+    block_max = jnp.concatenate([block_max[..., : layout.blocks], tail], axis=-1)
+  if not body:
+    codes = jnp.zeros((*lead, 0), jnp.uint8)
+  else:
+    v = x[..., :body]
+    scale = layout.wide(block_max[..., : layout.blocks])
+    a = _ratio(jax.lax.abs(v) if code.signed else v, scale)
+    u = _uniform(key, step, x.shape, body) if stochastic else None
+    index = _round(a, code.levels, u)
+    if code.signed:
+      negative = jax.lax.bitwise_and(jax.lax.lt(v, np.float32(0)), jax.lax.gt(index, np.int32(0)))
+      sign_bit = jax.lax.mul(negative.astype(jnp.int32), np.int32(_SIGN_BIT))
+      index = jax.lax.bitwise_or(index, sign_bit)
+    else:
+      # Never to zero: a positive value below the smallest level takes it (so
+      # test x, not a, which may have underflowed); 0 only for x <= 0.
+      index = jax.lax.max(index, jnp.ones_like(index))
+      index = jax.lax.select(_positive(v), index, jnp.zeros_like(index))
+    codes = _pack(index)
+  if code.signed:
+    return Signed4bitMoment(codes, block_max)
+  return Nonnegative4bitMoment(codes, block_max)
+
+
+def decode(stored: FourBitMoment) -> jax.Array:
+  """Returns the float32 leaf that ``stored`` codes, in the shape that was
+  encoded: each level times its scale, in the code its type names."""
+  return _decode(CODES[sign_of(stored)], stored)
+
+
+def _decode(code: _Code, stored: FourBitMoment) -> jax.Array:
+  codes = jnp.asarray(stored.codes)
+  scales = jnp.asarray(stored.scales, jnp.float32)
+  layout = _Layout.of_codes(codes.shape, scales.shape)
+  tail = scales[..., layout.blocks :]
+  if not layout.body:
+    return tail
+  k = _unpack(codes)
+  scale = layout.wide(scales[..., : layout.blocks])
+  if code.signed:
+    magnitude = _lookup(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), code.levels)
+    negative = jax.lax.ge(k, np.int32(_SIGN_BIT))
+    value = jax.lax.mul(jax.lax.select(negative, jax.lax.neg(magnitude), magnitude), scale)
+  else:
+    value = jax.lax.mul(_lookup(k, code.levels), scale)
+    # A product below float32's normals would flush to zero: keep it positive.
+    value = jax.lax.max(value, jnp.full_like(value, _TINY))
+    value = jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
+  return jnp.concatenate([value, tail], axis=-1) if layout.tail else value
