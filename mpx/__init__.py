@@ -21,7 +21,9 @@ from mpx._src.states import (
   MixedPrecisionRemainderState,
   MixedPrecisionState,
   MixedPrecisionStochasticState,
+  Nonnegative4bitMoment,
   Nonnegative8bitMoment,
+  Signed4bitMoment,
   Signed8bitMoment,
 )
 from mpx._src.switch import switch_masters
@@ -37,7 +39,9 @@ __all__ = [
   "MixedPrecisionRemainderState",
   "MixedPrecisionState",
   "MixedPrecisionStochasticState",
+  "Nonnegative4bitMoment",
   "Nonnegative8bitMoment",
+  "Signed4bitMoment",
   "Signed8bitMoment",
   "adjust",
   "all_finite",

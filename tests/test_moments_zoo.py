@@ -61,6 +61,9 @@ CASES = sorted(
   if not (case.lookahead or case.per_example or case.extra_args)
   and name != "optax.selective_transform"  # its mask names the zoo's own leaves
 )
+# The cosine of a 4-bit moment with the full run's after 30 steps, at least.
+MIN_COSINE_4BIT = 0.6
+REFUSED_4BIT = {"optax.rmsprop"}  # centered: optax.scale_by_stddev
 QUICK = {"optax.adamw", "optax.lion", "optax.rmsprop", "optax.sm3", "optax.contrib.muon"}
 
 
@@ -108,3 +111,41 @@ def test_8bit_moments_of_every_zoo_rule(name):
     w, g = np.asarray(want[key]), np.asarray(got[key])
     error = np.linalg.norm(g - w, axis=-1) / np.linalg.norm(w, axis=-1)
     assert error.max() < 0.15, (path, error.max())
+
+
+@pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=() if n == "optax.adamw" else pytest.mark.slow) for n in CASES]
+)
+def test_4bit_moments_of_every_zoo_rule(name):
+  """The 8-bit test's contract at 4 bits: the same leaves compressed, each by
+  its sign, and each moment pointing where the full run's does (a cosine of
+  at least MIN_COSINE_4BIT), with no positive second moment at 0; centered
+  RMSprop, which needs ``nu - mu**2 >= 0``, refused by name."""
+  if name in REFUSED_4BIT:
+    with pytest.raises(ValueError, match=r"ScaleByRStdDevState\.\w+ .* cannot be stored in 4"):
+      run(name, "4bit")
+    return
+  full, compressed = run(name, "full"), run(name, "4bit")
+  stored = jax.tree_util.tree_flatten_with_path(
+    compressed.inner_state, is_leaf=lambda x: isinstance(x, COMPRESSED_MOMENTS)
+  )[0]
+  kinds = {
+    jax.tree_util.keystr(path): type(node).__name__
+    for path, node in stored
+    if isinstance(node, COMPRESSED_MOMENTS)
+  }
+  expected = {p: k.replace("8bit", "4bit") for p, k in EXPECTED.get(name, {}).items()}
+  assert kinds == expected
+  want = dict(jax.tree_util.tree_leaves_with_path(mpx.inner_state(full)))
+  got = dict(jax.tree_util.tree_leaves_with_path(mpx.inner_state(compressed)))
+  for path, kind in kinds.items():
+    (key,) = [k for k in want if jax.tree_util.keystr(k) == path]
+    w, g = np.asarray(want[key]).ravel(), np.asarray(got[key]).ravel()
+    # Stochastic rounding to 8 levels is noisy element by element (a row's
+    # relative error up to 1.3 after 30 steps), but the moment points where
+    # the full run's does: a zeroed, flipped or misplaced moment would not.
+    cosine = float(w @ g / (np.linalg.norm(w) * np.linalg.norm(g)))
+    assert cosine > MIN_COSINE_4BIT, (path, cosine)
+    if kind.startswith("Nonnegative"):
+      assert np.all(g[w > 0] > 0), path

@@ -56,6 +56,22 @@ KNOWN_SIGNS: dict[tuple[str, str], Sign] = {
   ("ScaleBySM3State", "nu"): "signed",
 }
 
+# optax's centered RMSprop (scale_by_stddev) divides by sqrt(nu - mu**2 + eps):
+# the 4-bit codes' error makes nu - mu**2 negative, the update NaN.
+_NEEDS_NU_ABOVE_MU_SQUARED = {"ScaleByRStdDevState"}
+
+
+def refuse_4bit_for(state_name: str, field: str) -> None:
+  """Refuses 4-bit codes for a state whose rule needs its moments more exact."""
+  if state_name in _NEEDS_NU_ABOVE_MU_SQUARED:
+    raise ValueError(
+      f"mixed_precision: {state_name}.{field} (optax.rmsprop(centered=True)) cannot be "
+      "stored in 4 bits: the rule divides by sqrt(nu - mu**2 + eps), and the 4-bit codes' "
+      "error makes nu - mu**2 negative (a NaN update). Store its moments in 8 bits "
+      "(moments='8bit'), or keep them in float32 (moments='full')."
+    )
+
+
 # flax.linen's fp8 layers keep their scales and amax histories in this
 # collection; its "gradients" are their new values.
 FP8_COLLECTION = "_overwrite_with_gradient"

@@ -57,8 +57,10 @@ def mixed_precision(
     masters: ``"full"`` (a ``dtype`` copy), or for bfloat16 params under
       float32 masters ``"remainder"`` (its low 16 bits) or ``"stochastic"``
       (no master; stochastic rounding).
-    moments: ``"full"``, ``"bfloat16"`` or ``"8bit"``: how the inner state's
-      leaves under ``moment_fields`` of at least 4096 elements are stored.
+    moments: ``"full"``, ``"bfloat16"``, ``"8bit"`` or ``"4bit"``: how the
+      inner state's leaves under ``moment_fields`` of at least 4096 elements
+      are stored; or a mapping of field names to those formats, e.g.
+      ``{"mu": "8bit", "nu": "4bit"}`` (docs/moment_codes.md: which to pick).
     moment_fields: the state fields ``moments`` compresses: a sequence (``nu``
       and ``nu_max`` non-negative, others signed) or a mapping to
       ``"signed"``/``"nonnegative"``, e.g. for ``optax.adan``.
@@ -115,7 +117,8 @@ def mixed_precision(
     if moments_format.compresses:
       inner_state = moments_format.compress(inner_state, applied_steps)
     state = mode.state_type(treedef.unflatten(stored), applied_steps, nonfinite_steps, inner_state)
-    return variables.fit_variables(state, moments_format.name, linen_boxes=True)
+    compressed_as = moments_format.name if moments_format.compresses else "full"
+    return variables.fit_variables(state, compressed_as, linen_boxes=True)
 
   def update_fn(
     updates: optax.Updates,
@@ -383,7 +386,7 @@ def inner_state(opt_state: optax.OptState) -> optax.OptState:
   Finds the one :func:`mixed_precision` state in ``opt_state`` (at any depth:
   under ``loss_scale``, chain, ``MultiSteps``, ``inject_hyperparams``) and
   returns its ``inner_state`` with every compressed moment (``moments=
-  "bfloat16"`` or ``"8bit"``) decompressed to float32; with ``moments="full"``
+  "bfloat16"``, ``"8bit"`` or ``"4bit"``) decompressed to float32; with ``moments="full"``
   it is the ``inner_state`` itself. For inspection, conversion to plain optax
   and checkpoint migration. Works under ``jit``.
 

@@ -1,4 +1,4 @@
-"""Where the inner rule's moments live: as it made them, in bfloat16, or in 8 bits.
+"""Where the inner rule's moments live: as it made them, in bfloat16, 8 or 4 bits.
 
 A :class:`MomentKind` per leaf of the inner state stores it between steps;
 :class:`MomentsFormat` (one ``moments=`` setting) picks them (docs/moment_codes.md).
@@ -15,16 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import adapters, lowering, moment_codes, rounding
+from mpx._src import moment_codes_4bit as codes_4bit
 from mpx._src import tree as tree_lib
 from mpx._src.moment_codes import SIGNS, Sign
 from mpx._src.states import (
   COMPRESSED_MOMENTS,
   Bfloat16Moment,
+  Nonnegative4bitMoment,
   Nonnegative8bitMoment,
+  Signed4bitMoment,
   Signed8bitMoment,
 )
 
-FORMATS = ("full", "bfloat16", "8bit")
+FORMATS = ("full", "bfloat16", "8bit", "4bit")
 DEFAULT_FIELDS = ("mu", "nu", "trace")
 # The fields a sequence of names takes as second moments (everything else
 # named is signed); a mapping names each field's sign.
@@ -129,12 +132,36 @@ class EightBitCompressed:
 
 
 @dataclasses.dataclass(frozen=True)
+class FourBitCompressed:
+  """Stores a float32 leaf in the 4-bit code of its ``sign`` (a
+  ``Signed4bitMoment`` or ``Nonnegative4bitMoment``), rounded stochastically
+  with the leaf's ``key``: to nearest, a slow average's steps (Lion's ``mu``
+  moves 1% a step) fall between levels and the moment stalls
+  (docs/moment_codes.md)."""
+
+  key: int
+  sign: Sign
+  compressed = True
+
+  def stored_like(self, leaf: Any) -> Any:
+    return codes_4bit.stored_shapes(tuple(np.shape(leaf)), self.sign)
+
+  def decompress(self, stored: codes_4bit.FourBitMoment) -> jax.Array:
+    return codes_4bit.decode(stored)
+
+  def compress(self, value: jax.Array, applied_steps: jax.Array) -> codes_4bit.FourBitMoment:
+    key = jnp.uint32(self.key)
+    return codes_4bit.encode(value, self.sign, key, applied_steps, stochastic=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class MomentsFormat:
-  """Records one ``moments=`` setting: the format, the fields it compresses
-  (each with its sign) and the seed of its random bits."""
+  """Records one ``moments=`` setting: its name, the fields it compresses
+  (each with its sign and format) and the seed of its random bits."""
 
   name: str
   fields: tuple[tuple[str, Sign], ...]
+  formats: tuple[tuple[str, str], ...]  # (field, format) for every field
   seed: int
   # Whether the user named each field's sign (a mapping): then it overrides
   # the signs mpx knows of optax's states.
@@ -150,7 +177,7 @@ class MomentsFormat:
   def kinds(self, inner_state: Any) -> list[MomentKind]:
     """Returns the moment kind of each leaf of ``inner_state`` (a state as the
     inner rule makes it, or its abstract shapes), in flattening order."""
-    if self.name == "full":
+    if not self.compresses:
       return [UNCOMPRESSED] * len(jax.tree.leaves(inner_state))
     owners = _owners(inner_state, self.field_names)
     leaves = jax.tree.leaves(inner_state)
@@ -163,15 +190,23 @@ class MomentsFormat:
     """Returns the moment kind of the ``index``-th leaf, under field ``owner``."""
     if owner is None or not _compressible(leaf):
       return UNCOMPRESSED
+    state_name, field = owner
+    code = dict(self.formats)[field]
+    if code == "full":
+      return UNCOMPRESSED
     key = int(rounding.leaf_key(self.seed ^ _SEED_SALT, index))
     shape = np.shape(leaf)
-    if self.name == "bfloat16" or not shape or shape[-1] < MIN_ROW_8BIT:
+    # A row too short for a code's block scales to pay is stored in bfloat16.
+    shortest = MIN_ROW_8BIT if code == "8bit" else codes_4bit.MIN_ROW
+    if code == "bfloat16" or not shape or shape[-1] < shortest:
       return Bfloat16Compressed(key)
-    state_name, field = owner
     sign = dict(self.fields)[field]
     if not self.signs_named:
       sign = adapters.KNOWN_SIGNS.get((state_name, field), sign)
-    return EightBitCompressed(key, sign)
+    if code == "8bit":
+      return EightBitCompressed(key, sign)
+    adapters.refuse_4bit_for(state_name, field)
+    return FourBitCompressed(key, sign)
 
   def stored_like(self, inner_like: Any) -> Any:
     """Returns the abstract stored form of an (abstract) inner state."""
@@ -203,7 +238,7 @@ class MomentsFormat:
 
   def check_fields_exist(self, inner_state: Any) -> None:
     """Refuses a field named by the user that no state of the inner rule has."""
-    if self.name == "full" or self.field_names == DEFAULT_FIELDS:
+    if not self.compresses or self.field_names == DEFAULT_FIELDS:
       return
     found = {
       getattr(key, "name", None)
@@ -214,7 +249,7 @@ class MomentsFormat:
     if missing:
       fields = sorted(name for name in found if isinstance(name, str))
       raise ValueError(
-        f"mixed_precision: moment_fields {missing} match no field of the inner rule's "
+        f"mixed_precision: moment fields {missing} match no field of the inner rule's "
         f"state, whose fields are {fields}. Name fields of its state (e.g. Adan's "
         "'m', 'v', 'n'), or leave moment_fields at its default ('mu', 'nu', 'trace')."
       )
@@ -269,19 +304,36 @@ def _owners(tree: Any, fields: Sequence[str]) -> list[tuple[str, str] | None]:
 
 
 def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFormat:
-  """Returns the validated ``moments=`` and ``moment_fields=`` settings."""
-  if moments not in FORMATS:
+  """Returns the validated ``moments=`` and ``moment_fields=`` settings.
+
+  ``moments`` is one format for every field of ``moment_fields``, or a mapping
+  of field names to formats (its keys then are the fields; ``moment_fields``
+  may still name their signs)."""
+  per_field = isinstance(moments, Mapping)
+  codes = list(moments.values()) if per_field else [moments]
+  if not codes or any(not isinstance(c, str) or c not in FORMATS for c in codes):
     raise ValueError(
-      f"mixed_precision: moments must be one of {', '.join(map(repr, FORMATS))}, got {moments!r}."
+      f"mixed_precision: moments must be one of {', '.join(map(repr, FORMATS))}, or a "
+      "mapping of field names to them (e.g. {'mu': '8bit', 'nu': '4bit'}), got "
+      f"{moments!r}."
     )
-  if moments != "full" and jnp.dtype(dtype) != jnp.float32:
+  compresses = any(c != "full" for c in codes)
+  if compresses and jnp.dtype(dtype) != jnp.float32:
     raise ValueError(
       f"mixed_precision: moments={moments!r} compresses a float32 inner state; dtype is "
       f"{jnp.dtype(dtype)}. Use float32 masters, or moments='full'."
     )
-  return MomentsFormat(
-    moments, _field_signs(fields), seed, isinstance(fields, Mapping), moments != "full"
-  )
+  if per_field:
+    named = dict(_field_signs(fields)) if isinstance(fields, Mapping) else {}
+    rule = dict(_field_signs(tuple(n for n in moments if isinstance(n, str))))
+    signs = tuple((name, named.get(name, rule[name])) for name in moments)
+    formats = tuple(moments.items())
+    name = ", ".join(f"{f}: {c}" for f, c in formats)
+  else:
+    signs = _field_signs(fields)
+    formats = tuple((field, moments) for field, _ in signs)
+    name = moments
+  return MomentsFormat(name, signs, formats, seed, isinstance(fields, Mapping), compresses)
 
 
 def _field_signs(fields: Any) -> tuple[tuple[str, Sign], ...]:
@@ -316,7 +368,19 @@ _KIND_OF_STORED: dict[type, MomentKind] = {
   Bfloat16Moment: Bfloat16Compressed(0),
   Signed8bitMoment: EightBitCompressed(0, "signed"),
   Nonnegative8bitMoment: EightBitCompressed(0, "nonnegative"),
+  Signed4bitMoment: FourBitCompressed(0, "signed"),
+  Nonnegative4bitMoment: FourBitCompressed(0, "nonnegative"),
 }
+
+
+def param_shape_of(stored: Any) -> tuple[int, ...]:
+  """Returns the shape of the param a compressed moment stands for, as its
+  parts tell it: its codes' or values' shape; a 4-bit moment's last axis
+  doubled (two codes a byte; an odd length's last element is in its scales)."""
+  shape = tuple(np.shape(stored[0]))
+  if isinstance(stored, Signed4bitMoment | Nonnegative4bitMoment) and shape:
+    shape = (*shape[:-1], 2 * shape[-1])
+  return shape
 
 
 def decompressed(stored_inner: Any) -> Any:

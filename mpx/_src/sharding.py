@@ -10,12 +10,20 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpx._src import moment_codes, variables
+from mpx._src import moment_codes_4bit as codes_4bit
 from mpx._src import tree as tree_lib
-from mpx._src.states import COMPRESSED_MOMENTS, Nonnegative8bitMoment, Signed8bitMoment
+from mpx._src.states import (
+  COMPRESSED_MOMENTS,
+  Nonnegative4bitMoment,
+  Nonnegative8bitMoment,
+  Signed4bitMoment,
+  Signed8bitMoment,
+)
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -150,19 +158,24 @@ def zero1_shardings(
     if tree_lib.is_placeholder(leaf):
       return leaf
     if isinstance(leaf, COMPRESSED_MOMENTS):
-      # The codes (or bfloat16 values) have the param's shape and get its spec,
-      # ``axis`` added as if the last axis were its blocks: a split of it then
-      # falls on block boundaries. The block scales keep an entry only where
-      # their own axis divides (the last axis: whole blocks, not cut short).
+      # The codes (or bfloat16 values) follow the param's spec, ``axis`` added
+      # as if the last axis were its blocks: a split of it then falls on block
+      # boundaries. Each part keeps an entry only where its own axis divides
+      # (4-bit codes: two a byte; the scales' last axis: whole blocks, not cut
+      # short).
       moment: Any = leaf
-      shape = fit_shape = tuple(moment[0].shape)
-      if isinstance(leaf, (Signed8bitMoment, Nonnegative8bitMoment)):
+      shape = fit_shape = tuple(np.shape(param))
+      if isinstance(leaf, Signed8bitMoment | Nonnegative8bitMoment) and shape:
         size, blocks = moment_codes.block_layout(shape)
         fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
+      if isinstance(leaf, Signed4bitMoment | Nonnegative4bitMoment) and shape:
+        size, blocks = codes_4bit.block_layout(shape[-1])
+        fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
       entries = entries_for(shape, param, fit_shape)
+      codes = _fitting(entries, tuple(moment[0].shape), mesh)
       scales = _fitting(entries, fit_shape, mesh)
       return type(moment)(
-        NamedSharding(mesh, _canonical(entries, mesh)),
+        NamedSharding(mesh, _canonical(codes, mesh)),
         *[NamedSharding(mesh, _canonical(scales, mesh))] * (len(moment) - 1),
       )
     shape = tuple(getattr(leaf, "shape", ()))

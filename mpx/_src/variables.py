@@ -61,7 +61,7 @@ def fit_variables(state: Any, moments_format: str | None = None, linen_boxes: bo
     compat.check_nnx_supported()
     value: Any = node.get_value()
     if moments.is_compressed(value):
-      shape = np.shape(value[0])  # the codes or values: the param's shape
+      shape = moments.param_shape_of(value)
       return type(value)(*(_rewrap(node, part, shape) for part in value))
     if tree_lib.is_placeholder(value) or not hasattr(value, "shape"):
       return node
@@ -163,7 +163,7 @@ def _fit_linen_boxes(state: Any) -> Any:
       return node
     value: Any = adapters.unboxed(node)
     if moments.is_compressed(value):
-      shape = np.shape(value[0])  # the codes or values: the param's shape
+      shape = moments.param_shape_of(value)
       return type(value)(*(_rebox(node, part, shape) for part in value))
     if tree_lib.is_placeholder(value) or not hasattr(value, "shape"):
       return node
