@@ -86,20 +86,25 @@ def run(name, moments):
   return train(params)
 
 
+def compressed_kinds(state):
+  """Returns ``{path: stored type name}`` of every compressed moment in ``state``."""
+  stored = jax.tree_util.tree_flatten_with_path(
+    state.inner_state, is_leaf=lambda x: isinstance(x, COMPRESSED_MOMENTS)
+  )[0]
+  return {
+    jax.tree_util.keystr(path): type(node).__name__
+    for path, node in stored
+    if isinstance(node, COMPRESSED_MOMENTS)
+  }
+
+
 @pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize(
   "name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CASES]
 )
 def test_8bit_moments_of_every_zoo_rule(name):
   full, compressed = run(name, "full"), run(name, "8bit")
-  stored = jax.tree_util.tree_flatten_with_path(
-    compressed.inner_state, is_leaf=lambda x: isinstance(x, COMPRESSED_MOMENTS)
-  )[0]
-  kinds = {
-    jax.tree_util.keystr(path): type(node).__name__
-    for path, node in stored
-    if isinstance(node, COMPRESSED_MOMENTS)
-  }
+  kinds = compressed_kinds(compressed)
   assert kinds == EXPECTED.get(name, {})
   # The moments a compressed run keeps are the full run's, give or take the
   # codes' error (both runs' gradients ignore the params, so they see the
@@ -127,14 +132,7 @@ def test_4bit_moments_of_every_zoo_rule(name):
       run(name, "4bit")
     return
   full, compressed = run(name, "full"), run(name, "4bit")
-  stored = jax.tree_util.tree_flatten_with_path(
-    compressed.inner_state, is_leaf=lambda x: isinstance(x, COMPRESSED_MOMENTS)
-  )[0]
-  kinds = {
-    jax.tree_util.keystr(path): type(node).__name__
-    for path, node in stored
-    if isinstance(node, COMPRESSED_MOMENTS)
-  }
+  kinds = compressed_kinds(compressed)
   expected = {p: k.replace("8bit", "4bit") for p, k in EXPECTED.get(name, {}).items()}
   assert kinds == expected
   want = dict(jax.tree_util.tree_leaves_with_path(mpx.inner_state(full)))
