@@ -36,19 +36,19 @@ from benchmarks.moments_report import BYTES_SAVED_GOAL, SPEED_GOALS, name_of, re
 from benchmarks.trees import BF16, copy_tree  # noqa: E402
 
 MASTERS = ("full", "remainder", "stochastic")
-MOMENTS = ("full", "bfloat16", "8bit")
+MOMENTS = ("full", "bfloat16", "8bit", "4bit")
 LR = 1e-3
 DEFAULT_SIZES = "16M,64M"
 SMOKE_SIZES = "64K"
 DEFAULT_MEMORY_SHAPE = (4096, 4096)
 SMOKE_MEMORY_SHAPE = (64, 1024)
 # Optimizer-state bytes per parameter expected for AdamW on bf16 params with
-# large leaves (masters 4 / 2 / 0 B, moments 8 / 4 / 2 B); 8bit may
-# add its float32 block scales, at most 0.08 B/param.
+# large leaves (masters 4 / 2 / 0 B, moments 8 / 4 / 2 / 1 B); 8bit and 4bit
+# add their float32 block scales, at most 0.08 B/param.
 EXPECTED_STATE_BPP = {
   (masters, moments): master + moment
   for masters, master in zip(MASTERS, (4, 2, 0), strict=True)
-  for moments, moment in zip(MOMENTS, (8, 4, 2), strict=True)
+  for moments, moment in zip(MOMENTS, (8, 4, 2, 1), strict=True)
 }
 SCALES_ALLOWANCE = 0.08
 
@@ -92,7 +92,7 @@ def memory(shape: tuple[int, int]) -> list[dict[str, Any]]:
       jax.block_until_ready(opt)
       bpp = state_bytes(opt) / n
       expected = EXPECTED_STATE_BPP[masters, moments]
-      allowance = SCALES_ALLOWANCE if moments == "8bit" else 0.0
+      allowance = SCALES_ALLOWANCE if moments in ("8bit", "4bit") else 0.0
       rows.append(
         {
           "masters": masters,

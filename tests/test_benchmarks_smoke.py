@@ -379,14 +379,20 @@ def test_a_rows_ratios_are_derived_from_what_it_was_timed_against():
 
 MOMENTS_SCRIPT = ROOT / "benchmarks" / "moments.py"
 MOMENT_MASTERS = ("full", "remainder", "stochastic")
-MOMENT_FORMATS = ("full", "bfloat16", "8bit")
+MOMENT_FORMATS = ("full", "bfloat16", "8bit", "4bit")
 # The leaf the memory table is measured on under --smoke, and what AdamW's
 # whole state on it must cost per bf16 parameter: the master (float32,
 # int16 remainder, or none) plus mu and nu (float32, bfloat16, or a uint8 code
-# each plus a float32 scale per block of 256 along the last axis).
+# each plus a float32 scale per block of 256 along the last axis, or two 4-bit
+# codes a byte plus a float32 scale per block of 128).
 MOMENTS_SMOKE_SHAPE = (64, 1024)
 MASTER_BPP = {"full": 4, "remainder": 2, "stochastic": 0}
-MOMENTS_BPP = {"full": 8, "bfloat16": 4, "8bit": 2 + 2 * 4 * (1024 // 256) / 1024}
+MOMENTS_BPP = {
+  "full": 8,
+  "bfloat16": 4,
+  "8bit": 2 + 2 * 4 * (1024 // 256) / 1024,
+  "4bit": 1 + 2 * 4 * (1024 // 128) / 1024,
+}
 MOMENT_PEERS = ("bitsandbytes", "torchao", "TransformerEngine", "FlashOptim", "optax.adamw")
 
 
