@@ -80,8 +80,17 @@ def grads_sequence(params, steps: int, seed: int):
   return seq
 
 
-@pytest.mark.parametrize("form", ["CPU form", "GPU form"])
-@pytest.mark.parametrize("inner", ["sgd", "adamw"])
+# Each rule in one form in the quick tier (two compilations a case), SGD (the
+# saturation corner) on the CPU, AdamW in the GPU form; -m slow adds the rest.
+@pytest.mark.parametrize(
+  ("inner", "form"),
+  [
+    ("sgd", "CPU form"),
+    pytest.param("adamw", "CPU form", marks=pytest.mark.slow),
+    pytest.param("sgd", "GPU form", marks=pytest.mark.slow),
+    ("adamw", "GPU form"),
+  ],
+)
 def test_remainder_is_bitwise_full_over_whole_trajectories(inner, form):
   # The GPU form: the programs a GPU runs (a select instead of lax.cond), on
   # the CPU. (Across forms XLA:CPU may contract a * b + c differently; the
