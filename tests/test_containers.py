@@ -39,6 +39,15 @@ PAIRS = (("full", "bfloat16"), ("remainder", "8bit"), ("stochastic", "8bit"))
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
+def pairs(*quick: tuple[str, str]) -> list:
+  """PAIRS, those not in ``quick`` behind the slow marker. Each case compiles
+  its container's step; across the containers the quick tier still meets
+  every masters mode and moments format (the nnx.Optimizer test all three
+  pairs), and each container the mode whose state it handles least like a
+  plain tree."""
+  return [pytest.param(*mode, marks=() if mode in quick else pytest.mark.slow) for mode in PAIRS]
+
+
 @functools.cache
 def make_tx(masters: str, moments: str) -> optax.GradientTransformationExtraArgs:
   """One transformation per mode, shared by the tests: a step jitted for it
@@ -223,8 +232,12 @@ def test_nnx_model_and_optimizer_trains_as_the_transformation_driven_by_hand():
   assert_same_leaves(nnx.as_pure(optimizer.opt_state), expected_state)
 
 
+# Quick: masters that sync_masters edits (remainder) and none (stochastic),
+# both beside 8-bit moments that the functions must leave as stored.
 @jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
-@pytest.mark.parametrize(("masters", "moments"), PAIRS)
+@pytest.mark.parametrize(
+  ("masters", "moments"), pairs(("remainder", "8bit"), ("stochastic", "8bit"))
+)
 def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
   tx = make_tx(masters, moments)
   model = NnxModel(nnx.Rngs(0))
@@ -321,7 +334,8 @@ def dict_reference(masters: str, moments: str, stop: int) -> tuple[dict, Any]:
   return run_by_hand(make_tx(masters, moments), dict_params(), stop)
 
 
-@pytest.mark.parametrize(("masters", "moments"), PAIRS)
+# Quick: rounding keys and 8-bit codes through eqx.partition and eqx.filter.
+@pytest.mark.parametrize(("masters", "moments"), pairs(("stochastic", "8bit")))
 def test_equinox_partitioned_model_and_state_train_as_by_hand(masters, moments):
   eqx = pytest.importorskip("equinox")
 
@@ -354,7 +368,8 @@ def test_equinox_partitioned_model_and_state_train_as_by_hand(masters, moments):
   assert tree_equal(state, expected_state)
 
 
-@pytest.mark.parametrize(("masters", "moments"), PAIRS)
+# Quick: the one pair that the other quick containers leave to nnx alone.
+@pytest.mark.parametrize(("masters", "moments"), pairs(("full", "bfloat16")))
 def test_linen_train_state_trains_as_by_hand(masters, moments):
   from flax.training import train_state
 
