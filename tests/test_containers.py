@@ -11,6 +11,7 @@ same gradients.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 from typing import Any
@@ -31,12 +32,26 @@ BF16 = jnp.bfloat16
 MASTERS = ("full", "remainder", "stochastic")
 MOMENTS = ("full", "bfloat16", "8bit")
 STEPS = 3
-# One masters mode per moments format where a test covers the formats alone.
+# One masters mode per moments format where a test covers the formats alone:
+# each masters mode once, each moments format once (8-bit twice: its codes and
+# block scales are the state that differs most from optax's).
 PAIRS = (("full", "bfloat16"), ("remainder", "8bit"), ("stochastic", "8bit"))
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
+def pairs(*quick: tuple[str, str]) -> list:
+  """PAIRS, those not in ``quick`` behind the slow marker. Each case compiles
+  its container's step; across the containers the quick tier still meets
+  every masters mode and moments format (the nnx.Optimizer test all three
+  pairs), and each container the mode whose state it handles least like a
+  plain tree."""
+  return [pytest.param(*mode, marks=() if mode in quick else pytest.mark.slow) for mode in PAIRS]
+
+
+@functools.cache
 def make_tx(masters: str, moments: str) -> optax.GradientTransformationExtraArgs:
+  """One transformation per mode, shared by the tests: a step jitted for it
+  (by hand, or by a container for the same tree) is compiled once."""
   rule = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)
   return mpx.mixed_precision(rule, masters=masters, moments=moments, seed=7)
 
@@ -53,17 +68,22 @@ def gradient(step: int, like: Any) -> Any:
   return jax.tree_util.tree_map_with_path(draw, like)
 
 
-def run_by_hand(
-  tx: optax.GradientTransformation, params: dict, stop: int, state: Any = None, start: int = 0
-) -> tuple[dict, Any]:
-  """The reference: plain dicts, ``tx.update`` and ``optax.apply_updates``,
-  steps ``start`` to ``stop`` from ``state`` (``tx.init``'s by default)."""
-
+@functools.cache
+def by_hand_step(tx: optax.GradientTransformation):
   @jax.jit
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
+  return step
+
+
+def run_by_hand(
+  tx: optax.GradientTransformation, params: dict, stop: int, state: Any = None, start: int = 0
+) -> tuple[dict, Any]:
+  """The reference: plain dicts, ``tx.update`` and ``optax.apply_updates``,
+  steps ``start`` to ``stop`` from ``state`` (``tx.init``'s by default)."""
+  step = by_hand_step(tx)
   state = tx.init(params) if state is None else state
   for i in range(start, stop):
     params, state = step(params, state, gradient(i, params))
@@ -130,6 +150,12 @@ def nnx_step(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any) -> None:
   optimizer.update(model, grads)
 
 
+@functools.cache
+def nnx_reference(masters: str, moments: str) -> tuple[dict, Any]:
+  """``STEPS`` steps by hand from ``NnxModel``'s initial params."""
+  return run_by_hand(make_tx(masters, moments), pure_params(NnxModel(nnx.Rngs(0))), STEPS)
+
+
 def nnx_grads(model: nnx.Module, step: int) -> nnx.State:
   """``gradient(step)`` shaped like ``nnx.grad``'s output for ``model``."""
   grads = nnx.state(model, nnx.Param)
@@ -150,20 +176,33 @@ def test_nnx_optimizer_on_flax_0_11_names_the_version_it_needs(monkeypatch):
     nnx.Optimizer(model, make_tx("full", "full"), wrt=nnx.Param)
 
 
+# Every masters x moments mode; the quick tier keeps PAIRS (each masters mode
+# and each moments format once), the slow tier the other six.
 @jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
-@pytest.mark.parametrize(("masters", "moments"), list(itertools.product(MASTERS, MOMENTS)))
+@pytest.mark.parametrize(
+  ("masters", "moments"),
+  [
+    pytest.param(*mode, marks=() if mode in PAIRS else pytest.mark.slow)
+    for mode in itertools.product(MASTERS, MOMENTS)
+  ],
+)
 def test_nnx_optimizer_trains_as_the_transformation_driven_by_hand(
   masters, moments, count_compilations
 ):
   tx = make_tx(masters, moments)
   model = NnxModel(nnx.Rngs(0))
-  expected_params, expected_state = run_by_hand(tx, pure_params(model), STEPS)
+  expected_params, expected_state = nnx_reference(masters, moments)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   grads = [nnx_grads(model, i) for i in range(STEPS)]
   before = len(count_compilations)
-  for g in grads:
+  nnx_step(model, optimizer, grads[0])
+  # At most one compilation (none where an earlier test compiled this step for
+  # the same transformation), and none after: one step program for every step.
+  assert len(count_compilations) - before <= 1
+  before = len(count_compilations)
+  for g in grads[1:]:
     nnx_step(model, optimizer, g)
-  assert len(count_compilations) - before == 1  # one step program for every step
+  assert len(count_compilations) == before
 
   assert_same_leaves(pure_params(model), expected_params)
   state = nnx.as_pure(optimizer.opt_state)
@@ -180,7 +219,7 @@ def test_nnx_model_and_optimizer_trains_as_the_transformation_driven_by_hand():
     pytest.skip("this flax has no nnx.ModelAndOptimizer")
   tx = make_tx("remainder", "8bit")
   model = NnxModel(nnx.Rngs(0))
-  expected_params, expected_state = run_by_hand(tx, pure_params(model), STEPS)
+  expected_params, expected_state = nnx_reference("remainder", "8bit")
   optimizer = nnx.ModelAndOptimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
@@ -193,15 +232,19 @@ def test_nnx_model_and_optimizer_trains_as_the_transformation_driven_by_hand():
   assert_same_leaves(nnx.as_pure(optimizer.opt_state), expected_state)
 
 
+# Quick: masters that sync_masters edits (remainder) and none (stochastic),
+# both beside 8-bit moments that the functions must leave as stored.
 @jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
-@pytest.mark.parametrize(("masters", "moments"), PAIRS)
+@pytest.mark.parametrize(
+  ("masters", "moments"), pairs(("remainder", "8bit"), ("stochastic", "8bit"))
+)
 def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
   tx = make_tx(masters, moments)
   model = NnxModel(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   for i in range(STEPS):
     nnx_step(model, optimizer, nnx_grads(model, i))
-  _, expected_state = run_by_hand(tx, pure_params(NnxModel(nnx.Rngs(0))), STEPS)
+  _, expected_state = nnx_reference(masters, moments)
   state = nnx.as_pure(optimizer.opt_state)
   params = nnx.as_pure(nnx.state(model, nnx.Param))  # the tree the state was made for
 
@@ -230,14 +273,29 @@ def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
   assert np.abs(np.asarray(model.body.kernel[...][0], np.float32)).max() < 0.1
 
 
+# The optimizer is built eagerly (each operation of its init compiled for the
+# mesh on its own: about 10 s for 8-bit moments on 2 cores) or under nnx.jit,
+# as flax's guide builds sharded state. The quick tier keeps remainder-8bit
+# under nnx.jit: the stored leaves of the kernel's shape are then its masters'
+# remainders and its moments' codes, beside block scales. The slow tier builds
+# every pair of PAIRS eagerly (full-bfloat16: bfloat16 values).
 @jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
-@pytest.mark.parametrize(("masters", "moments"), PAIRS)
-def test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh(masters, moments):
+@pytest.mark.parametrize(
+  ("masters", "moments", "init"),
+  [pytest.param("remainder", "8bit", "nnx.jit")]
+  + [pytest.param(*mode, "eager", marks=pytest.mark.slow) for mode in PAIRS],
+)
+def test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh(masters, moments, init):
   assert jax.device_count() == 8, "tests/conftest.py sets 8 host devices"
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  tx = make_tx(masters, moments)
+
+  def make_optimizer(model):
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
   with jax_versions.set_mesh(mesh):
     model = NnxModel(nnx.Rngs(0), sharded=True)
-    optimizer = nnx.Optimizer(model, make_tx(masters, moments), wrt=nnx.Param)
+    optimizer = (nnx.jit(make_optimizer) if init == "nnx.jit" else make_optimizer)(model)
     for i in range(2):
       nnx_step(model, optimizer, nnx_grads(model, i))
   specs = {
@@ -270,7 +328,14 @@ def dict_params() -> dict:
   }
 
 
-@pytest.mark.parametrize(("masters", "moments"), PAIRS)
+@functools.cache
+def dict_reference(masters: str, moments: str, stop: int) -> tuple[dict, Any]:
+  """``stop`` steps by hand from ``dict_params()``."""
+  return run_by_hand(make_tx(masters, moments), dict_params(), stop)
+
+
+# Quick: rounding keys and 8-bit codes through eqx.partition and eqx.filter.
+@pytest.mark.parametrize(("masters", "moments"), pairs(("stochastic", "8bit")))
 def test_equinox_partitioned_model_and_state_train_as_by_hand(masters, moments):
   eqx = pytest.importorskip("equinox")
 
@@ -303,13 +368,14 @@ def test_equinox_partitioned_model_and_state_train_as_by_hand(masters, moments):
   assert tree_equal(state, expected_state)
 
 
-@pytest.mark.parametrize(("masters", "moments"), PAIRS)
+# Quick: the one pair that the other quick containers leave to nnx alone.
+@pytest.mark.parametrize(("masters", "moments"), pairs(("full", "bfloat16")))
 def test_linen_train_state_trains_as_by_hand(masters, moments):
   from flax.training import train_state
 
   params = dict_params()
   tx = make_tx(masters, moments)
-  expected_params, expected_state = run_by_hand(tx, params, STEPS)
+  expected_params, expected_state = dict_reference(masters, moments, STEPS)
   ts = train_state.TrainState.create(apply_fn=lambda p, x: x, params=params, tx=tx)
   step = jax.jit(lambda ts, grads: ts.apply_gradients(grads=grads))
   for i in range(STEPS):
@@ -323,9 +389,9 @@ def test_orbax_restore_with_the_init_state_as_target_continues_bitwise(tmp_path,
   ocp = pytest.importorskip("orbax.checkpoint")
   params = dict_params()
   tx = make_tx(masters, moments)
-  expected_params, expected_state = run_by_hand(tx, params, STEPS + 1)
+  expected_params, expected_state = dict_reference(masters, moments, STEPS + 1)
 
-  params_1, state_1 = run_by_hand(tx, params, STEPS)
+  params_1, state_1 = dict_reference(masters, moments, STEPS)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "ckpt", {"params": params_1, "opt_state": state_1})
   checkpointer.wait_until_finished()

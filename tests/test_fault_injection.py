@@ -97,9 +97,28 @@ CONFIGS = {
   ),
   "fp16-loss_scale-bfloat16": Case("loss_scale", jnp.float16, moments="bfloat16", hidden=tl.WIDE),
 }
-# Behind the slow marker: the compressed configurations after the first (each
-# compiles the wide model with its compressing step, about 10 s on 2 cores).
-SLOW_CONFIGS = {"bf16-mixed_precision-stochastic-8bit", "fp16-loss_scale-bfloat16"}
+# The cost of a case is the compilation of its configuration in its form (a
+# second seed reuses it: a fraction of a second). The quick tier keeps each
+# configuration in one form of the finite check and the skip, so that each
+# form sees every stack (mixed_precision, static and dynamic loss_scale),
+# dtype, masters mode and moments format: "GPU form" (the select) and "one
+# CPU device" (the lax.cond) run the 8-bit configuration both, and the fp16
+# loss_scale one that test_training_recovers_from_an_overflow_storm compiles
+# in each form anyway. Every other pair, every configuration under "several
+# devices" (conftest.py) and the compressed configurations after the first
+# (each compiles the wide model with its compressing step) run in the slow tier.
+QUICK_FORMS = {
+  "fp16-loss_scale": {"one CPU device", "GPU form"},
+  "fp16-static_loss_scale": {"GPU form"},
+  "bf16-mixed_precision": {"one CPU device"},
+  "bf16-loss_scale-hysteresis": {"GPU form"},
+  "bf16-mixed_precision-remainder": {"one CPU device"},
+  "bf16-loss_scale-remainder": {"GPU form"},
+  "bf16-mixed_precision-stochastic": {"GPU form"},
+  "bf16-loss_scale-stochastic": {"one CPU device"},
+  "bf16-loss_scale-remainder-8bit": {"one CPU device", "GPU form"},
+}
+FORMS = ("one CPU device", "several devices", "GPU form")  # conftest.py's, in its order
 
 
 # What a run records of the training state, checked for finiteness and bitwise.
@@ -135,10 +154,20 @@ def reference_plan(plan, injected, scales_before, pin, seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(
-  "name",
-  [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_CONFIGS else []) for n in CONFIGS],
+  ("finite_check_form", "name"),
+  [
+    pytest.param(
+      form,
+      name,
+      id=f"{form}-{name}",
+      marks=() if form in QUICK_FORMS.get(name, ()) else pytest.mark.slow,
+    )
+    for form in FORMS
+    for name in CONFIGS
+  ],
+  indirect=["finite_check_form"],
 )
-def test_poisoned_steps_are_skipped_as_if_never_taken(name, seed, finite_check_form):
+def test_poisoned_steps_are_skipped_as_if_never_taken(finite_check_form, name, seed):
   stack, dtype, config, masters, moments, hidden = CONFIGS[name]
   _, run = tl.compiled_run(stack, config, masters, moments)
   params = tl.init_params(seed, dtype, hidden)

@@ -124,3 +124,106 @@ def test_on_8_gpus_with_zero1_scratch_at_most_the_state_per_device(zero1, name, 
   if name in EIGHT_BIT:
     request.applymarker(pytest.mark.xfail(strict=True, reason=EIGHT_BIT_WHY))
   assert zero1[name].profile.scratch <= zero1[name].state_bytes
+
+
+# One leaf by size (benchmarks/gpu_compile.py --sweep, docs/benchmarks_gpu.md):
+# the two smallest sizes, where XLA:GPU's choices differ most from the large
+# leaves' (docs/design.md, "Why 8-bit moments miss the floor on the GPU").
+SWEEP_SIZES = ("64K", "512K")
+SWEEP_NAMES = [
+  gpu_compile.mode_name(masters, moments)
+  for masters in gpu_compile.SWEEP_MASTERS
+  for moments in gpu_compile.SWEEP_MOMENTS
+]
+EIGHT_BIT_SWEEP_WHY = (
+  "8-bit moments: XLA:GPU writes both new moments to float32 scratch (8 B/param) and "
+  "reads them back, as its cost model rates the block-max reduction of so few blocks "
+  "slower with the decode fused into it; and the verdict, the block maxima and the "
+  "update each read the gradients (docs/design.md, 'Why 8-bit moments miss the floor "
+  "on the GPU')"
+)
+FOUR_BIT_SWEEP_WHY = (
+  "4-bit moments: the new moments go to float32 scratch and are read back: the "
+  "half-width codes are written by a kernel of their own (a loop fusion of another "
+  "shape than the update's), and moment_codes_4bit._unpack's concatenate writes the "
+  "old codes out as int32"
+)
+
+
+def sweep_why(name: str) -> str | None:
+  """Says why a sweep row misses the issue's goal, or None where it should meet it."""
+  why = [reason for code, reason in (("8bit", EIGHT_BIT_SWEEP_WHY), ("4bit", FOUR_BIT_SWEEP_WHY))
+         if code in name]  # fmt: skip
+  return "; ".join(why) or None
+
+
+@pytest.fixture(scope="module")
+def swept() -> dict:
+  require_cuda_compiler()
+  return {row.name: row for row in gpu_compile.sweep(SWEEP_SIZES)}
+
+
+def test_sweep_has_a_row_per_mode_and_a_cell_per_size(swept):
+  assert list(swept) == SWEEP_NAMES
+  assert len(SWEEP_NAMES) == len(gpu_compile.SWEEP_MASTERS) * len(gpu_compile.SWEEP_MOMENTS)
+  for row in swept.values():
+    assert list(row.profiles) == list(SWEEP_SIZES)
+  lines = gpu_compile.sweep_table(list(swept.values()))
+  header = lines[2]
+  assert header.startswith("| step | floor | two-pass floor | conditionals |")
+  assert header.endswith(" | ".join(SWEEP_SIZES) + " |")
+  body = lines[4:]
+  assert [line.split(" | ")[0].removeprefix("| ") for line in body] == SWEEP_NAMES
+
+
+@pytest.mark.parametrize("name", SWEEP_NAMES)
+def test_sweep_no_conditional_at_any_size(swept, name):
+  assert swept[name].conditionals == 0
+
+
+def test_sweep_floors_are_computed_as_documented(swept):
+  # Gradients read twice, params read and written (2 B each), the master read
+  # and written, each moment read and written at its stored bytes.
+  eight, four = 1 + 4 / 256, 0.5 + 4 / 128
+  base = {"full": 4 + 4 + 8, "remainder": 4 + 4 + 4, "stochastic": 4 + 4 + 0}
+  stored = {"full": (4, 4), "8bit": (eight, eight), "4bit": (four, four)}
+  for masters, fixed in base.items():
+    for moments, (mu, nu) in [*stored.items(), ({"mu": "8bit", "nu": "4bit"}, (eight, four))]:
+      key = moments if isinstance(moments, str) else "mixed"
+      compressed = [b for b in (mu, nu) if key != "full"]
+      floor = fixed + 2 * (mu + nu)
+      two_pass = floor + sum(compressed)
+      assert gpu_compile.floor_bytes(masters, moments) == pytest.approx(floor)
+      assert gpu_compile.floor_bytes(masters, moments, two_pass=True) == pytest.approx(two_pass)
+      name = gpu_compile.mode_name(masters, moments)
+      if name in swept:
+        assert swept[name].floor == pytest.approx(floor)
+        assert swept[name].two_pass_floor == pytest.approx(two_pass)
+      # The one-GPU table's floors count the two passes (the 8-bit ones rounded).
+      if name in gpu_compile.FLOORS:
+        assert gpu_compile.FLOORS[name] == pytest.approx(two_pass, abs=0.1)
+  assert gpu_compile.floor_bytes("full", "full") == gpu_compile.FLOORS["mpx full"] == 32
+  assert gpu_compile.floor_bytes("full", "8bit", two_pass=True) == pytest.approx(22.09375)
+
+
+@pytest.mark.xla_cost
+@pytest.mark.parametrize("name", SWEEP_NAMES)
+def test_sweep_bytes_within_1_per_param_of_the_two_pass_floor(swept, name, request):
+  """The issue's goal: at most the two-pass floor + 1 B/param, at every size."""
+  why = sweep_why(name)
+  if why:
+    request.applymarker(pytest.mark.xfail(strict=True, reason=why))
+  row = swept[name]
+  moved = {size: round(row.bytes_per_param(size), 2) for size in SWEEP_SIZES}
+  assert all(b <= row.two_pass_floor + 1 for b in moved.values()), moved
+
+
+@pytest.mark.xla_cost
+@pytest.mark.parametrize("name", SWEEP_NAMES)
+def test_sweep_scratch_at_most_a_tenth_of_a_byte_per_param(swept, name, request):
+  why = sweep_why(name)
+  if why:
+    request.applymarker(pytest.mark.xfail(strict=True, reason=why))
+  row = swept[name]
+  scratch = {size: round(row.scratch_per_param(size), 3) for size in SWEEP_SIZES}
+  assert all(s <= 0.1 for s in scratch.values()), scratch

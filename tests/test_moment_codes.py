@@ -81,10 +81,13 @@ def reference_nearest(x: np.ndarray, sign: str) -> tuple[np.ndarray, np.ndarray]
 
 def encode_decode(x, sign, step=0, stochastic=False, key=KEY):
   c = _encode_jit(jnp.asarray(x, jnp.float32), sign, key, jnp.int32(step), stochastic)
-  return c, np.asarray(mc.decode(c))
+  return c, np.asarray(_decode_jit(c))
 
 
+# Jitted: eagerly, every operation of the codes would compile on its own for
+# each new shape (the same arithmetic, many times the compile time).
 _encode_jit = jax.jit(mc.encode, static_argnums=(1, 4))
+_decode_jit = jax.jit(mc.decode)
 
 
 def wide_values(shape, seed=0, sign="signed") -> np.ndarray:
@@ -180,7 +183,7 @@ def test_every_code_decodes_to_its_level_times_the_scale(sign, scale):
   else:
     expected = np.concatenate([[0.0], levels])
   codes = jnp.arange(256, dtype=jnp.uint8)
-  decoded = mc.decode(mc.STORED_TYPES[sign](codes, jnp.full((1,), scale, jnp.float32)))
+  decoded = _decode_jit(mc.STORED_TYPES[sign](codes, jnp.full((1,), scale, jnp.float32)))
   np.testing.assert_array_equal(decoded, expected.astype(np.float32) * np.float32(scale))
 
 
@@ -389,7 +392,7 @@ def test_sharded_leaf_codes_bitwise_as_unsharded_with_no_collective(spec, sign):
   device 2 whole blocks, so encoding needs no communication."""
   mesh = jax.make_mesh((8,), ("x",))
   x = jnp.asarray(wide_values((16, 4096), seed=7, sign=sign))
-  plain = mc.encode(x, sign, KEY, jnp.int32(3), True)
+  plain = _encode_jit(x, sign, KEY, jnp.int32(3), True)
   sharding = NamedSharding(mesh, spec)
   f = jax.jit(functools.partial(mc.encode, sign=sign, key=KEY, stochastic=True))
   lowered = f.lower(jax.device_put(x, sharding), step=jnp.int32(3))
@@ -400,15 +403,15 @@ def test_sharded_leaf_codes_bitwise_as_unsharded_with_no_collective(spec, sign):
   np.testing.assert_array_equal(sharded.codes, plain.codes)
   np.testing.assert_array_equal(sharded.scales, plain.scales)
   assert sharded.codes.sharding.is_equivalent_to(sharding, 2)
-  decoded = jax.jit(mc.decode)(sharded)
-  np.testing.assert_array_equal(decoded, mc.decode(plain))
+  decoded = _decode_jit(sharded)
+  np.testing.assert_array_equal(decoded, _decode_jit(plain))
 
 
 def test_bad_input_names_the_fix():
   x = jnp.ones((4, 300))
   with pytest.raises(ValueError, match="signed.*nonnegative"):
     mc.encode(x, "unsigned", KEY, jnp.int32(0), True)
-  c = mc.encode(x, "signed", KEY, jnp.int32(0), True)
+  c = _encode_jit(x, "signed", KEY, jnp.int32(0), True)
   with pytest.raises(ValueError, match="do not match"):
     mc.decode(c._replace(scales=c.scales[:, :1]))
   with pytest.raises(ValueError, match="Signed8bitMoment or a Nonnegative8bitMoment"):

@@ -32,8 +32,10 @@ def grads_like(params, seed):
 
 
 def bytes_per_param(state, params):
+  """Bytes of ``state`` per element of ``params``; either may be abstract
+  (``jax.eval_shape``'s): the count needs only shapes and dtypes."""
   n = sum(x.size for x in jax.tree.leaves(params))
-  return sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)) / n
+  return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)) / n
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,7 @@ def bytes_per_param(state, params):
 def test_adamw_state_bytes_per_parameter(masters, moments, expected):
   params = {"w": jnp.ones((1024, 1024), jnp.bfloat16)}  # one large leaf
   tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments)
-  got = bytes_per_param(tx.init(params), params)
+  got = bytes_per_param(jax.eval_shape(tx.init, params), params)  # the state's shapes: no compute
   # 8 bits: two float32 scales per block of 256 (mu's and nu's), 0.031 B/param.
   slack = 0.08 if moments == "8bit" else 0.001
   assert expected <= got <= expected + slack, got
@@ -66,7 +68,7 @@ def test_8bit_codes_each_moment_by_its_sign():
     "b": jnp.ones(16, jnp.bfloat16),
   }
   tx = mpx.mixed_precision(optax.amsgrad(1e-3), moments="8bit", moment_fields=("mu", "nu_max"))
-  amsgrad = tx.init(params).inner_state[0]
+  amsgrad = jax.eval_shape(tx.init, params).inner_state[0]  # the formats: no compute
   assert isinstance(amsgrad.mu["w"], mpx.Signed8bitMoment)
   assert isinstance(amsgrad.nu_max["w"], mpx.Nonnegative8bitMoment)
   assert amsgrad.nu["w"].dtype == jnp.float32  # not named
@@ -90,8 +92,23 @@ def test_only_moments_of_at_least_4096_elements_are_compressed():
   assert adam.mu["b"].dtype == jnp.float32 and adam.count.dtype == jnp.int32
 
 
-@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
-@pytest.mark.parametrize("masters", ["full", "remainder", "stochastic"])
+# Every masters mode x compressed format; the quick tier keeps each masters
+# mode once and each format at least once (a compilation each), the slow tier
+# the other three.
+@pytest.mark.parametrize(
+  ("masters", "moments"),
+  [
+    pytest.param(
+      masters,
+      moments,
+      marks=()
+      if (masters, moments) in {("full", "8bit"), ("remainder", "bfloat16"), ("stochastic", "8bit")}
+      else pytest.mark.slow,
+    )
+    for moments in ("bfloat16", "8bit")
+    for masters in ("full", "remainder", "stochastic")
+  ],
+)
 def test_a_skipped_step_leaves_every_stored_byte_unchanged(masters, moments):
   params = bf16_params()
   tx = mpx.loss_scale(
@@ -288,8 +305,10 @@ def test_8bit_state_is_sharded_with_its_leaf_and_adds_no_collective():
   tx = mpx.mixed_precision(optax.adamw(1e-2), moments="8bit")
   with jax.default_device(jax.devices()[0]):
     local = jax.tree.map(np.asarray, (params, grads))
+    # tx.init jitted: eagerly, each operation of the 8-bit encoding would
+    # compile on its own (most of this test's time).
     want_updates, want_state = jax.jit(lambda p, s, g: tx.update(g, s, p))(
-      local[0], tx.init(local[0]), local[1]
+      local[0], jax.jit(tx.init)(local[0]), local[1]
     )
   assert tree_equal(jax.device_get(updates), jax.device_get(want_updates))
   assert tree_equal(jax.device_get(new_state), jax.device_get(want_state))
@@ -409,7 +428,7 @@ def _three_steps(moments, masters="full"):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)  # eagerly, each 8-bit operation would compile alone
   step = jax.jit(step, donate_argnums=(0, 1))
   compiled = step.lower(params, state, grads_like(params, 0)).compile()
   hlo = compiled.as_text()

@@ -286,7 +286,12 @@ def test_overflow_only_in_the_cross_device_sum_is_skipped(zero):
 # --- ZeRO-1 ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh_shape", [(8,), (4, 2)], ids=["data8", "data4xmodel2"])
+# The quick tier keeps the 4 x 2 mesh (tensor-parallel params, the state split
+# over data too); -m slow adds plain data parallelism over 8 devices.
+@pytest.mark.parametrize(
+  "mesh_shape",
+  [pytest.param((8,), id="data8", marks=pytest.mark.slow), pytest.param((4, 2), id="data4xmodel2")],
+)
 def test_zero1_divides_state_memory_and_trains_bitwise_like_replicated(mesh_shape):
   mesh = make_mesh(mesh_shape)
   layout = "dp" if len(mesh_shape) == 1 else "tp"
