@@ -143,10 +143,9 @@ EIGHT_BIT_SWEEP_WHY = (
   "on the GPU')"
 )
 FOUR_BIT_SWEEP_WHY = (
-  "4-bit moments: the new moments go to float32 scratch and are read back: the "
-  "half-width codes are written by a kernel of their own (a loop fusion of another "
-  "shape than the update's), and moment_codes_4bit._unpack's concatenate writes the "
-  "old codes out as int32"
+  "4-bit moments: XLA:GPU writes the new moments out in float32 and reads them back: "
+  "the half-width codes are written by a kernel of another shape than the update's "
+  "(the two-pass coder of docs/design.md is not in yet)"
 )
 
 

@@ -4,7 +4,10 @@ dynamic-exponent map of "Memory Efficient Optimizers with 4-bit States" (Li et
 al. 2023) in blocks of 128, and the nonnegative float-like map without zero in
 the same blocks (no column scales: each row codes on its own); then what the
 stored form promises: no positive value to zero, exact block maxima, clamping,
-odd shapes, jit, unbiased stochastic rounding, the bytes it costs."""
+odd shapes, jit, unbiased stochastic rounding, the bytes it costs; and, on
+XLA:CPU, that nothing per element is written out between passes. Shapes whose
+blocks are multiples of 8 (1024, 768, 4097) pack codes a uint32 word at a
+time, others (1026, 11008, 4098) a byte at a time: both layouts are tested."""
 
 import functools
 
@@ -148,6 +151,11 @@ def test_the_levels_are_the_papers_maps():
   np.testing.assert_allclose(m4.SIGNED_LEVELS, de_map(), rtol=1e-7)
   np.testing.assert_allclose(m4.NONNEGATIVE_LEVELS, float_map(), rtol=1e-7)
   np.testing.assert_allclose(m4.LINEAR_LEVELS, np.arange(16) / 15, rtol=1e-7)
+  # The nonnegative levels are floats with one mantissa bit, coded on the bits:
+  # the decoder's construction from the code gives exactly them.
+  built = np.asarray(m4._floatlike_levels(jnp.arange(1, 16, dtype=jnp.int32)))
+  np.testing.assert_array_equal(built, m4.NONNEGATIVE_LEVELS[1:])
+  assert m4.CODES["nonnegative"].floatlike and not m4._Code(m4.LINEAR_LEVELS, False).floatlike
 
 
 @pytest.mark.parametrize("sign", m4.SIGNS)
@@ -235,11 +243,35 @@ def test_each_block_maximum_decodes_exactly(sign, stochastic):
   np.testing.assert_array_equal(decoded[at], x[at])
 
 
+# One block of 100 (the division by a broadcast scale must stay a division),
+# blocks of 96 and 86, a short last block (4098: 33 of 126), an odd row.
+LAYOUTS = [(16, 100), (4, 768), (2, 11008), (3, 4098), (2, 4097)]
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("shape", LAYOUTS, ids=str)
 @pytest.mark.parametrize("sign", m4.SIGNS)
-def test_each_row_codes_on_its_own(sign):
+def test_each_block_maximum_decodes_exactly_in_every_layout(sign, shape, stochastic):
+  x = moment(shape, sign, seed=9)
+  _, decoded = round_trip(x, sign, stochastic)
+  body = shape[-1] - shape[-1] % 2
+  size, blocks = m4.block_layout(body)
+  padded = np.zeros((*shape[:-1], size * blocks), np.float32)
+  padded[..., :body] = np.abs(x[..., :body])
+  maxima = padded.reshape(*shape[:-1], blocks, size).max(-1)
+  at = padded == np.repeat(maxima, size, axis=-1)
+  at = at[..., :body] & (padded[..., :body] > 0)
+  assert at.sum() >= np.prod(shape[:-1]) * blocks
+  np.testing.assert_array_equal(decoded[..., :body][at], x[..., :body][at])
+  np.testing.assert_array_equal(decoded[..., body:], x[..., body:])  # an odd row's last
+
+
+@pytest.mark.parametrize("n", [1026, 1024])
+@pytest.mark.parametrize("sign", m4.SIGNS)
+def test_each_row_codes_on_its_own(sign, n):
   # No reduction across rows: a row coded alone stores what it stores among
   # rows a thousand times larger or smaller.
-  x = moment((8, 1026), sign, seed=8)
+  x = moment((8, n), sign, seed=8)
   x[1::2] *= np.float32(1e3)
   x[2::4] *= np.float32(1e-6)
   matrix, _ = round_trip(x, sign)
@@ -331,9 +363,10 @@ def test_min_row_is_the_shortest_row_from_which_4_bits_beat_bfloat16():
   assert pays(4) and not pays(5)  # 4 alone would route 5 to a code that costs more
 
 
+@pytest.mark.parametrize("shape", [(4, 1026), (4, 1024), (3, 4097)], ids=str)
 @pytest.mark.parametrize("sign", m4.SIGNS)
-def test_jit_equals_eager(sign):
-  x = moment((4, 1026), sign, seed=6)
+def test_jit_equals_eager(sign, shape):
+  x = moment(shape, sign, seed=6)
   for stochastic in (False, True):
     eager = m4.encode(jnp.asarray(x), sign, KEY, STEP, stochastic)
     jitted, decode = coder(sign, stochastic)
@@ -371,6 +404,52 @@ def test_stochastic_rounding_is_unbiased_and_deterministic(sign):
   other_key = encode(jnp.asarray(x), KEY + 1, STEP)
   assert np.any(np.asarray(first.codes) != np.asarray(other_step.codes))
   assert np.any(np.asarray(first.codes) != np.asarray(other_key.codes))
+
+
+def test_words_and_bytes_pack_the_same_bytes():
+  # Element 2i in the low nibble of byte i, 2i + 1 in the high one, whether
+  # packed and unpacked a byte or a uint32 word (of four bytes) at a time.
+  rng = np.random.default_rng(10)
+  codes = rng.integers(0, 16, (3, 5, 64)).astype(np.int32)
+  expected = (codes[..., 0::2] | codes[..., 1::2] << 4).astype(np.uint8)
+  for per in (2, 8):
+    packed = np.asarray(jax.jit(m4._pack, static_argnums=1)(jnp.asarray(codes), per))
+    np.testing.assert_array_equal(packed, expected)
+    unpacked = jax.jit(m4._unpack, static_argnums=1)(jnp.asarray(expected), per)
+    np.testing.assert_array_equal(np.asarray(unpacked), codes)
+  assert [m4._Layout.of((2, n)).per for n in (1024, 768, 4097, 1026, 11008, 4098)] == [
+    8,
+    8,
+    8,
+    2,
+    2,
+    2,
+  ]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
+@pytest.mark.parametrize("shape", [(256, 1024), (256, 1026), (64, 4097)], ids=str)
+@pytest.mark.parametrize("sign", m4.SIGNS)
+def test_no_float32_or_int32_array_is_written_out_on_cpu(sign, shape):
+  # Encode, decode, and a moment decoded, updated and encoded again (what an
+  # optimizer step does) each fuse into loops that write out nothing per
+  # element but the uint32 words of the codes (half a byte an element), where
+  # a ratio, an int32 code or a decoded moment written out would take 4.
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  g = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+  def encode(x):
+    return m4.encode(x, sign, KEY, STEP, stochastic=True)
+
+  def step(stored, g):
+    g = g.astype(jnp.float32)
+    new = 0.9 * m4.decode(stored) + 0.1 * (g * g if sign == "nonnegative" else g)
+    return encode(new)
+
+  stored = jax.eval_shape(encode, x)
+  for f, args in [(encode, (x,)), (m4.decode, (stored,)), (step, (stored, g))]:
+    scratch = jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert scratch <= 1.1 * np.prod(shape), (f, scratch / np.prod(shape))
 
 
 def test_bad_arguments_are_refused():

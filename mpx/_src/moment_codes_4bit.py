@@ -5,10 +5,26 @@ and :func:`decode` for the code of each sign, :func:`maxima` for the scales
 alone (a first pass that ``encode(..., scales=...)`` codes against),
 :func:`stored_shapes` and :func:`bytes_per_element`. The levels, the layout
 and the measurements behind them: docs/moment_codes.md, "4 bits".
+
+Written for XLA:CPU as the 8-bit code is: each pass is one loop fusion that
+LLVM vectorizes, nothing per element is written out in float32 or int32
+between passes, and an optimizer step fuses the moment's computation into
+each pass. What keeps it so (checked in the optimized HLO and the LLVM IR):
+
+- Codes are packed by a reduction over each group of ``code << 4 * position``
+  (``_pack``), never by strided slices or a concatenation, which leave the
+  loop scalar or write an int32 array out.
+- Where every block's codes fill whole uint32 words (block sizes that are
+  multiples of 8), codes are packed and read back a word of 8 at a time
+  (``_unpack``): a loop over elements then loads one word per vector of 8
+  lanes, where from bytes it loads and inserts one byte per lane.
+- Rounding is arithmetic on the float32 bits and comparisons against
+  constants, the ratio to the scale read once (``_ratio``, ``_round``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -79,6 +95,12 @@ class _Code(NamedTuple):
 
   levels: np.ndarray
   signed: bool
+
+  @property
+  def floatlike(self) -> bool:
+    """Whether these are :data:`NONNEGATIVE_LEVELS`, coded on the float32 bits
+    (``_round_floatlike``); other levels are coded by comparisons."""
+    return not self.signed and np.array_equal(self.levels, NONNEGATIVE_LEVELS)
 
 
 CODES: dict[str, _Code] = {
@@ -200,6 +222,13 @@ class _Layout(NamedTuple):
     tail = scales_shape[-1] - blocks
     return cls(tuple(lead), body + tail, body, size, blocks, tail)
 
+  @property
+  def per(self) -> int:
+    """How many codes are packed together: 8, a uint32 word, where every
+    block's codes fill whole words (so that a shard of the last axis on block
+    boundaries holds whole words), else 2, a byte."""
+    return 8 if self.size % 8 == 0 and self.body % 8 == 0 else 2
+
   def wide(self, block_max: jax.Array) -> jax.Array:
     """Each block's value broadcast to its elements of the body."""
     full = jnp.broadcast_to(block_max[..., None], (*self.lead, self.blocks, self.size))
@@ -254,65 +283,148 @@ def _tail_nonnegative(tail: jax.Array) -> jax.Array:
 
 
 def _ratio(magnitude: jax.Array, scale: jax.Array) -> jax.Array:
-  """``magnitude / scale`` clamped to [0, 1] (a scale of 0 divides by 1): a
-  scale below the magnitude gives the top level, never a wrap."""
+  """``magnitude / scale`` (a scale of 0 divides by 1), not clamped: a scale
+  below the magnitude gives a ratio above 1, which the rounding takes to the
+  top level, never a wrap. A true division, so that a block's largest element
+  gives exactly 1; the select is per element, after the broadcast, so that
+  XLA does not turn the division by a broadcast into a product by a
+  reciprocal."""
   safe = jax.lax.select(jax.lax.gt(scale, np.float32(0)), scale, jnp.ones_like(scale))
-  a = jax.lax.div(magnitude, safe)
-  return jax.lax.clamp(np.float32(0), a, np.float32(1))
+  return jax.lax.div(magnitude, safe)
 
 
 def _uniform(key: jax.Array, step: jax.Array, shape: tuple[int, ...], n: int) -> jax.Array:
   """Uniform float32 in [0, 1), 24 bits, per element of a leaf of ``shape``,
   sliced to the first ``n`` along its last axis."""
-  bits = rounding.random_bits(key, jnp.asarray(step, jnp.int32), shape)
-  if shape[-1] != n:
-    bits = jax.lax.slice_in_dim(bits, 0, n, axis=len(shape) - 1)
-  # Via int32 (24 bits fit): uint32 to float32 does not vectorize on CPU.
-  top = jax.lax.shift_right_logical(bits, np.uint32(8)).astype(jnp.int32)
+  top = _random_top(key, step, shape, n, 24)
   return jax.lax.mul(top.astype(jnp.float32), np.float32(2.0**-24))
 
 
+def _random_top(
+  key: jax.Array, step: jax.Array, shape: tuple[int, ...], n: int, bits: int
+) -> jax.Array:
+  """The top ``bits`` (at most 31) of each element's random bits, as int32,
+  for a leaf of ``shape`` sliced to the first ``n`` along its last axis."""
+  random = rounding.random_bits(key, jnp.asarray(step, jnp.int32), shape)
+  if shape[-1] != n:
+    random = jax.lax.slice_in_dim(random, 0, n, axis=len(shape) - 1)
+  # Via int32: uint32 to float32 (for ``_uniform``) does not vectorize on CPU.
+  return jax.lax.shift_right_logical(random, np.uint32(32 - bits)).astype(jnp.int32)
+
+
 def _lookup(index: jax.Array, table: np.ndarray) -> jax.Array:
-  """``table[index]`` for a small constant table, as a chain of selects."""
-  out = jnp.full(index.shape, table[0], jnp.float32)
-  for i in range(1, len(table)):
-    out = jax.lax.select(jax.lax.eq(index, np.int32(i)), jnp.full_like(out, table[i]), out)
-  return out
+  """``table[index]`` for a small constant table (a power of two long), as a
+  tree of selects on the bits of ``index``: for 8 entries 7 selects on 3 bit
+  tests, where a chain takes 7 selects on 7 comparisons."""
+  level = [jnp.full(index.shape, value, jnp.float32) for value in table]
+  bit = 0
+  while len(level) > 1:
+    on = jax.lax.ne(jax.lax.bitwise_and(index, np.int32(1 << bit)), np.int32(0))
+    level = [jax.lax.select(on, hi, lo) for lo, hi in zip(level[0::2], level[1::2], strict=True)]
+    bit += 1
+  return level[0]
 
 
-def _pack(codes: jax.Array) -> jax.Array:
-  """int32 codes in [0, 16), an even count along the last axis, two a byte."""
-  pairs = codes.reshape((*codes.shape[:-1], codes.shape[-1] // 2, 2))
-  low, high = pairs[..., 0], pairs[..., 1]
-  return jax.lax.bitwise_or(low, jax.lax.shift_left(high, np.int32(4))).astype(jnp.uint8)
+def _pack(codes: jax.Array, per: int | None = None) -> jax.Array:
+  """int32 codes in [0, 16), an even count along the last axis, two a byte:
+  element ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high one.
+
+  ``per`` codes at a time (by default 8 where the count allows, else 2), as a
+  reduction over each group of ``code << 4 * position``, not strided slices:
+  XLA:CPU then emits one loop over the groups that LLVM vectorizes (with the
+  slices the loop stays scalar). Eight make a uint32 word, split into its
+  bytes (little-endian: the same bytes) by a small second pass; a loop over
+  words reads a moment decoded from words (``_unpack``) a vector at a time,
+  where a loop over bytes would gather its words."""
+  *lead, n = codes.shape
+  per = per or (8 if n % 8 == 0 else 2)
+  groups = codes.reshape((*lead, n // per, per))
+  last = groups.ndim - 1
+  shift = jax.lax.mul(jax.lax.broadcasted_iota(jnp.int32, groups.shape, last), np.int32(4))
+  packed = jax.lax.reduce(
+    jax.lax.shift_left(groups, shift), np.int32(0), jax.lax.bitwise_or, (last,)
+  )
+  if per == 2:
+    return packed.astype(jnp.uint8)
+  words = jax.lax.bitcast_convert_type(packed, jnp.uint32)
+  return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape((*lead, n // 2))
 
 
-def _unpack(codes: jax.Array) -> jax.Array:
-  """The int32 codes of a packed uint8 array, twice as many along the last axis."""
-  k = jnp.asarray(codes).astype(jnp.int32)
-  low = jax.lax.bitwise_and(k, np.int32(15))
-  high = jax.lax.shift_right_logical(k, np.int32(4))
-  pairs = jnp.stack([low, high], axis=-1)
-  return pairs.reshape((*k.shape[:-1], 2 * k.shape[-1]))
+def _unpack(codes: jax.Array, per: int | None = None) -> jax.Array:
+  """The int32 codes of a packed uint8 array, twice as many along the last
+  axis: each group (a byte, or with ``per = 8`` a uint32 word of four bytes;
+  by default words where the count allows) broadcast to its codes and shifted,
+  in one loop fusion with what uses them (no concatenation, which XLA:CPU
+  writes out as an int32 array). A loop over elements reads a word per vector
+  of 8 lanes (``element >> 3`` is the same across the vector: one load and a
+  broadcast), a byte per lane. The words take a small pass of their own
+  (uint32, half a byte an element, written out)."""
+  k = jnp.asarray(codes)
+  *lead, n_bytes = k.shape
+  per = per or (8 if n_bytes % 4 == 0 else 2)
+  if per == 8:
+    k = jax.lax.bitcast_convert_type(k.reshape((*lead, n_bytes // 4, 4)), jnp.uint32)
+  k = k.astype(jnp.int32)
+  wide = jax.lax.broadcast_in_dim(k, (*k.shape, per), tuple(range(k.ndim)))
+  shift = jax.lax.mul(jax.lax.broadcasted_iota(jnp.int32, wide.shape, k.ndim), np.int32(4))
+  nibbles = jax.lax.bitwise_and(jax.lax.shift_right_logical(wide, shift), np.int32(15))
+  return nibbles.reshape((*lead, 2 * n_bytes))
+
+
+def _int32_bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, jnp.int32)
 
 
 def _round(a: jax.Array, levels: np.ndarray, u: jax.Array | None) -> jax.Array:
-  """The index of ``a`` (in [0, 1]) among ``levels`` (ascending, from 0 to 1):
-  the nearest (ties up) when ``u`` is None, else the one below or above with
-  probabilities proportional to the distance to the other (unbiased)."""
+  """The index of ``a`` (at least 0) among ``levels`` (ascending, from 0 to 1;
+  above 1, the top): the nearest (ties up) when ``u`` is None, else the one
+  below or above with probabilities proportional to the distance to the other
+  (unbiased).
+
+  A count of the thresholds that ``a`` reaches: the midpoints to nearest;
+  stochastic, ``levels[k - 1] + u * (levels[k] - levels[k - 1])`` for each
+  ``k``, which ``a`` in ``[levels[j], levels[j + 1])`` reaches for every ``k <=
+  j`` and, for ``k = j + 1``, with probability ``(a - levels[j]) / (levels[j +
+  1] - levels[j])``. Compared as int32 bits (non-negative floats order as their
+  bits), so that ``a`` has one user, which XLA fuses its division into."""
+  bits = _int32_bits(a)
   index = jnp.zeros(a.shape, jnp.int32)
   if u is None:
-    mids = (levels[:-1].astype(np.float64) + levels[1:]) / 2
-    for mid in mids.astype(np.float32):
-      index = jax.lax.add(index, jax.lax.ge(a, mid).astype(jnp.int32))
+    mids = ((levels[:-1].astype(np.float64) + levels[1:]) / 2).astype(np.float32)
+    for mid in mids.view(np.int32):
+      index = jax.lax.add(index, jax.lax.ge(bits, mid).astype(jnp.int32))
     return index
-  for level in levels[1:]:
-    index = jax.lax.add(index, jax.lax.ge(a, level).astype(jnp.int32))
-  low = _lookup(index, levels)
-  # The gap above each level (1 above the top, where a - low is 0).
-  gaps = np.append(levels[1:] - levels[:-1], np.float32(1))
-  p = jax.lax.div(jax.lax.sub(a, low), _lookup(index, gaps))
-  return jax.lax.add(index, jax.lax.lt(u, p).astype(jnp.int32))
+  for low, high in itertools.pairwise(levels):
+    threshold = jax.lax.add(jax.lax.mul(u, np.float32(high - low)), np.float32(low))
+    index = jax.lax.add(index, jax.lax.ge(bits, _int32_bits(threshold)).astype(jnp.int32))
+  return index
+
+
+# The nonnegative code as float32 bits: level ``k >= 1`` is the float whose
+# bits are ``(k + _FLOAT_BASE) << 22`` (one mantissa bit: ``2**-7`` is ``240 <<
+# 22``, 1.0 is ``254 << 22``).
+_FLOAT_SHIFT = 22
+_FLOAT_BASE = 239
+
+
+def _round_floatlike(a: jax.Array, noise: jax.Array | int) -> jax.Array:
+  """The nonnegative code (1 to 15) of a positive ratio ``a`` to its scale,
+  from its float32 bits: ``noise`` added below the one mantissa bit kept (half
+  of it to nearest, ties up; 22 uniform random bits stochastic, which round up
+  with probability ``(a - low) / (high - low)``), then the exponent and that
+  bit read as the code; below ``2**-7`` (an ``a`` that underflowed included)
+  to the smallest level, above 1 to the top."""
+  bits = _int32_bits(a)
+  rounded = jax.lax.shift_right_arithmetic(jax.lax.add(bits, noise), np.int32(_FLOAT_SHIFT))
+  t = jax.lax.clamp(np.int32(_FLOAT_BASE + 1), rounded, np.int32(_FLOAT_BASE + 15))
+  return jax.lax.sub(t, np.int32(_FLOAT_BASE))
+
+
+def _floatlike_levels(k: jax.Array) -> jax.Array:
+  """The nonnegative code's level of each code ``k`` in 1 .. 15, built from its
+  bits (code 0 gives a tiny positive float; the caller zeroes it)."""
+  bits = jax.lax.shift_left(jax.lax.add(k, np.int32(_FLOAT_BASE)), np.int32(_FLOAT_SHIFT))
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _check_scales(given: jax.Array, expected: tuple[int, ...], what: str) -> jax.Array:
@@ -339,7 +451,14 @@ def maxima(x: jax.Array, sign: Sign) -> jax.Array:
 def _maxima(x: jax.Array, signed: bool, layout: _Layout) -> jax.Array:
   body = x[..., : layout.body]
   blocked = _blocked(body, layout.size, layout.blocks)
-  scales = _max_over(blocked, (x.ndim,), signed)
+  if layout.per == 8:
+    # A moment decoded from words (``_unpack``) in here reads a word a vector.
+    scales = _max_over(blocked, (x.ndim,), signed)
+  else:
+    # Each block as (size / 2) pairs: the reduction's inner loops then run
+    # over a pair and over the bytes, which it reads a vector at a time.
+    pairs = blocked.reshape((*blocked.shape[:-1], layout.size // 2, 2))
+    scales = _max_over(pairs, (x.ndim, x.ndim + 1), signed)
   if layout.tail:
     tail = x[..., layout.body :]
     scales = jnp.concatenate([scales, tail if signed else _tail_nonnegative(tail)], axis=-1)
@@ -404,24 +523,50 @@ def _encode(
   if not body:
     codes = jnp.zeros((*lead, 0), jnp.uint8)
   else:
-    v = x[..., :body]
     scale = layout.wide(block_max[..., : layout.blocks])
-    a = _ratio(jax.lax.abs(v) if code.signed else v, scale)
-    u = _uniform(key, step, x.shape, body) if stochastic else None
-    index = _round(a, code.levels, u)
-    if code.signed:
-      negative = jax.lax.bitwise_and(jax.lax.lt(v, np.float32(0)), jax.lax.gt(index, np.int32(0)))
-      sign_bit = jax.lax.mul(negative.astype(jnp.int32), np.int32(_SIGN_BIT))
-      index = jax.lax.bitwise_or(index, sign_bit)
-    else:
-      # Never to zero: a positive value below the smallest level takes it (so
-      # test x, not a, which may have underflowed); 0 only for x <= 0.
-      index = jax.lax.max(index, jnp.ones_like(index))
-      index = jax.lax.select(_positive(v), index, jnp.zeros_like(index))
-    codes = _pack(index)
+    codes = _pack(_codes(code, x[..., :body], scale, key, step, stochastic, x.shape), layout.per)
   if code.signed:
     return Signed4bitMoment(codes, block_max)
   return Nonnegative4bitMoment(codes, block_max)
+
+
+def _codes(
+  code: _Code,
+  v: jax.Array,
+  scale: jax.Array,
+  key: jax.Array,
+  step: jax.Array,
+  stochastic: bool,
+  shape: tuple[int, ...],
+) -> jax.Array:
+  """The int32 code of each element of the body ``v`` against its block's
+  ``scale`` (broadcast to ``v``'s shape); random bits drawn for a leaf of
+  ``shape``. Elementwise: one loop fusion with the packing."""
+  body = v.shape[-1]
+  # Of |v| for either sign: a value that is not positive is zeroed below under
+  # the nonnegative code. (Dividing v itself, XLA:CPU writes v out in float32
+  # instead of fusing its computation, e.g. Adam's new moment, in here.)
+  a = _ratio(jax.lax.abs(v), scale)
+  if code.floatlike:
+    noise = (
+      _random_top(key, step, shape, body, _FLOAT_SHIFT)
+      if stochastic
+      else np.int32(1 << (_FLOAT_SHIFT - 1))
+    )
+    index = _round_floatlike(a, noise)
+  else:
+    u = _uniform(key, step, shape, body) if stochastic else None
+    index = _round(a, code.levels, u)
+  if code.signed:
+    negative = jax.lax.bitwise_and(jax.lax.lt(v, np.float32(0)), jax.lax.gt(index, np.int32(0)))
+    sign_bit = jax.lax.mul(negative.astype(jnp.int32), np.int32(_SIGN_BIT))
+    return jax.lax.bitwise_or(index, sign_bit)
+  # Never to zero: a positive value below the smallest level takes it (the
+  # float-like rounding does so itself; test x, not a, which may have
+  # underflowed); 0 only for x <= 0.
+  if not code.floatlike:
+    index = jax.lax.max(index, jnp.ones_like(index))
+  return jax.lax.select(_positive(v), index, jnp.zeros_like(index))
 
 
 def decode(stored: FourBitMoment) -> jax.Array:
@@ -437,15 +582,40 @@ def _decode(code: _Code, stored: FourBitMoment) -> jax.Array:
   tail = scales[..., layout.blocks :]
   if not layout.body:
     return tail
-  k = _unpack(codes)
-  scale = layout.wide(scales[..., : layout.blocks])
+  if layout.tail:
+    # Codes and scales over all n columns, the last one's a padding code and
+    # some scale, replaced by the tail below: no concatenation or pad of the
+    # decoded floats, which XLA:CPU would write out in float32.
+    group = 4 if layout.per == 8 else 1  # bytes unpacked together
+    padded = -(-(codes.shape[-1] + 1) // group) * group
+    widen = [(0, 0, 0)] * (codes.ndim - 1) + [(0, padded - codes.shape[-1], 0)]
+    codes = jax.lax.pad(codes, np.uint8(0), widen)
+    k = jax.lax.slice_in_dim(_unpack(codes, layout.per), 0, layout.n, axis=codes.ndim - 1)
+    full = jnp.broadcast_to(scales[..., None], (*layout.lead, scales.shape[-1], layout.size))
+    scale = _unblocked(full, layout.n)
+  else:
+    k = _unpack(codes, layout.per)
+    scale = layout.wide(scales[..., : layout.blocks])
   if code.signed:
     magnitude = _lookup(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), code.levels)
-    negative = jax.lax.ge(k, np.int32(_SIGN_BIT))
-    value = jax.lax.mul(jax.lax.select(negative, jax.lax.neg(magnitude), magnitude), scale)
+    # The code's sign bit moves to float32's: -level, exactly.
+    sign = jax.lax.shift_left(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT)), np.int32(28))
+    bits = jax.lax.bitwise_or(_int32_bits(magnitude), sign)
+    value = jax.lax.mul(jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
   else:
-    value = jax.lax.mul(_lookup(k, code.levels), scale)
+    level = _floatlike_levels(k) if code.floatlike else _lookup(k, code.levels)
+    value = jax.lax.mul(level, scale)
     # A product below float32's normals would flush to zero: keep it positive.
-    value = jax.lax.max(value, jnp.full_like(value, _TINY))
+    # On the int32 bits (the product is not negative): one instruction, where
+    # float32's NaN-propagating maximum takes three.
+    bits = jax.lax.max(_int32_bits(value), np.int32(_TINY.view(np.int32)))
+    value = jax.lax.bitcast_convert_type(bits, jnp.float32)
     value = jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
-  return jnp.concatenate([value, tail], axis=-1) if layout.tail else value
+  if layout.tail:
+    last = value.ndim - 1
+    at_tail = jax.lax.eq(
+      jax.lax.broadcasted_iota(jnp.int32, value.shape, last), np.int32(layout.body)
+    )
+    tail = jax.lax.broadcast_in_dim(tail, value.shape, tuple(range(value.ndim)))
+    value = jax.lax.select(at_tail, tail, value)
+  return value
