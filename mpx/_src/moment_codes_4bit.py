@@ -407,7 +407,7 @@ _FLOAT_SHIFT = 22
 _FLOAT_BASE = 239
 
 
-def _round_floatlike(a: jax.Array, noise: jax.Array | int) -> jax.Array:
+def _round_floatlike(a: jax.Array, noise: jax.Array | np.int32 | int) -> jax.Array:
   """The nonnegative code (1 to 15) of a positive ratio ``a`` to its scale,
   from its float32 bits: ``noise`` added below the one mantissa bit kept (half
   of it to nearest, ties up; 22 uniform random bits stochastic, which round up
