@@ -7,6 +7,8 @@ bit, its masters to a few ulps (separately compiled programs may contract
 multiply-adds differently).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,12 +99,28 @@ def quadratic(params):
   return jnp.sum(weights * (params["w"].astype(jnp.float32) - target) ** 2)
 
 
+@functools.cache
+def lbfgs_reference_step():
+  """float32 L-BFGS on the masters, at the bf16 params: jitted once for both cases."""
+  ref = optax.lbfgs()
+
+  @jax.jit
+  def ref_step(masters, inner_state, params):
+    value, grad = jax.value_and_grad(quadratic)(params)  # at the bf16 params, as mpx's
+    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
+    updates, inner_state = ref.update(
+      grad, inner_state, masters, value=value, grad=grad, value_fn=quadratic
+    )
+    return optax.apply_updates(masters, updates), inner_state
+
+  return ref_step
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 def test_lbfgs_extra_arguments_reach_the_inner_rule_in_float32(scaled):
   params = {"w": jnp.zeros(8, jnp.bfloat16)}
   mp = mpx.mixed_precision(optax.lbfgs())
   tx = mpx.loss_scale(mp, init_scale=2.0**4) if scaled else mp
-  ref = optax.lbfgs()
   state = tx.init(params)
   inner = (lambda s: s.inner_state.inner_state) if scaled else (lambda s: s.inner_state)
 
@@ -112,15 +130,7 @@ def test_lbfgs_extra_arguments_reach_the_inner_rule_in_float32(scaled):
     updates, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=quadratic)
     return optax.apply_updates(params, updates), state
 
-  def ref_step(masters, inner_state, params):
-    value, grad = jax.value_and_grad(quadratic)(params)  # at the bf16 params, as mpx's
-    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
-    updates, inner_state = ref.update(
-      grad, inner_state, masters, value=value, grad=grad, value_fn=quadratic
-    )
-    return optax.apply_updates(masters, updates), inner_state
-
-  step, ref_step = jax.jit(step), jax.jit(ref_step)
+  step, ref_step = jax.jit(step), lbfgs_reference_step()
   for _ in range(6):
     expected = ref_step(mpx.master_params(state, params), inner(state), params)
     params, state = step(params, state)

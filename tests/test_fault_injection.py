@@ -98,25 +98,22 @@ CONFIGS = {
   "fp16-loss_scale-bfloat16": Case("loss_scale", jnp.float16, moments="bfloat16", hidden=tl.WIDE),
 }
 # The cost of a case is the compilation of its configuration in its form (a
-# second seed reuses it: a fraction of a second). The quick tier keeps each
-# configuration in one form of the finite check and the skip, so that each
-# form sees every stack (mixed_precision, static and dynamic loss_scale),
-# dtype, masters mode and moments format: "GPU form" (the select) and "one
-# CPU device" (the lax.cond) run the 8-bit configuration both, and the fp16
-# loss_scale one that test_training_recovers_from_an_overflow_storm compiles
-# in each form anyway. Every other pair, every configuration under "several
-# devices" (conftest.py) and the compressed configurations after the first
-# (each compiles the wide model with its compressing step) run in the slow tier.
+# second seed reuses it: a fraction of a second). The quick tier keeps six
+# (configuration, form) pairs, three per form of the finite check and the
+# skip, so that each form meets every masters mode, both dtypes and, with
+# loss_scale, mixed_precision alone: "one CPU device" (the lax.cond) runs the
+# fp16 loss_scale (which test_training_recovers_from_an_overflow_storm reuses),
+# the remainder and the stochastic configurations; "GPU form" (the select) runs
+# the static scale, stochastic masters alone and the 8-bit moments. -m slow
+# runs every configuration in every form ("several devices" included), the
+# hysteresis one too (test_loss_scale checks its scale rule step by step).
 QUICK_FORMS = {
-  "fp16-loss_scale": {"one CPU device", "GPU form"},
+  "fp16-loss_scale": {"one CPU device"},
   "fp16-static_loss_scale": {"GPU form"},
-  "bf16-mixed_precision": {"one CPU device"},
-  "bf16-loss_scale-hysteresis": {"GPU form"},
   "bf16-mixed_precision-remainder": {"one CPU device"},
-  "bf16-loss_scale-remainder": {"GPU form"},
-  "bf16-mixed_precision-stochastic": {"GPU form"},
   "bf16-loss_scale-stochastic": {"one CPU device"},
-  "bf16-loss_scale-remainder-8bit": {"one CPU device", "GPU form"},
+  "bf16-mixed_precision-stochastic": {"GPU form"},
+  "bf16-loss_scale-remainder-8bit": {"GPU form"},
 }
 FORMS = ("one CPU device", "several devices", "GPU form")  # conftest.py's, in its order
 
@@ -223,6 +220,15 @@ def test_poisoned_steps_are_skipped_as_if_never_taken(finite_check_form, name, s
   assert poisoned["eval_loss"][-1] < 0.05 * poisoned["eval_loss"][0]
 
 
+# The storm reuses the fp16 loss_scale run that the quick tier compiles in the
+# "one CPU device" form; -m slow runs it in the other forms.
+@pytest.mark.parametrize(
+  "finite_check_form",
+  [
+    pytest.param(form, marks=() if form == "one CPU device" else pytest.mark.slow) for form in FORMS
+  ],
+  indirect=True,
+)
 def test_training_recovers_from_an_overflow_storm(finite_check_form):
   """Hundreds of consecutive overflows drive the scale to its floor; then it
   grows back by the rule, one factor per growth interval, and the loss keeps

@@ -257,7 +257,15 @@ def _fp8_step(state: _Fp8TrainState, x, y, poison) -> tuple[Any, Any]:
 
 # flax's fp8 layers compute NaN with float16 compute even under plain optax
 # (their kernel amax overflows), so bfloat16 it is, with and without scaling.
-@pytest.mark.parametrize("scaled", [False, True], ids=["mixed_precision", "loss_scale"])
+# Quick: under loss_scale (the metadata beside scaled gradients, and a scale
+# that backs off on the skipped step); -m slow adds mixed_precision alone.
+@pytest.mark.parametrize(
+  "scaled",
+  [
+    pytest.param(False, marks=pytest.mark.slow, id="mixed_precision"),
+    pytest.param(True, id="loss_scale"),
+  ],
+)
 def test_linen_fp8_recipe_overwrites_metadata_only_on_applied_steps(scaled):
   dtype = BF16
   tx = mpx.mixed_precision(optax.adam(1e-2))

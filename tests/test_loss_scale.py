@@ -347,6 +347,7 @@ def test_axis_name_makes_replicas_skip_together_under_vmap():
       assert np.any(np.asarray(updates)) and len(set(scales.tolist())) == 2
 
 
+@pytest.mark.slow  # in-process: test_multidevice's replicas in lockstep under shard_map
 def test_axis_name_under_shard_map_on_8_devices():
   """shard_map over 8 CPU devices, in a fresh process so the device count is
   guaranteed whatever imported jax first."""

@@ -323,7 +323,17 @@ def test_stochastic_training_follows_float32_where_plain_bf16_stalls():
 # --- Every mode composes -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("masters", ["full", "remainder", "stochastic"])
+# Quick: remainder. test_fault_injection's quick cases wrap every masters mode
+# in loss_scale against a run never fed the skipped steps; -m slow adds the
+# other two here.
+@pytest.mark.parametrize(
+  "masters",
+  [
+    pytest.param("full", marks=pytest.mark.slow),
+    "remainder",
+    pytest.param("stochastic", marks=pytest.mark.slow),
+  ],
+)
 def test_loss_scale_wraps_every_mode(masters):
   params = hard_params(8)
   params = {k: params[k] for k in ("w", "norm")}

@@ -145,11 +145,22 @@ def test_block_layout_properties_for_every_length_to_5000():
       assert count == -(-n // 256) and size == -(-n // count), n
 
 
+SHAPES = [(300,), (7, 300), (4096,), (64, 4097), (), (3,), (2, 3, 520), (5, 0), (0, 300)]
+
+
+# Every shape in each code; the quick tier takes each shape in one code, the
+# codes in turn (a compilation each), -m slow the other half.
 @pytest.mark.parametrize(
-  "shape", [(300,), (7, 300), (4096,), (64, 4097), (), (3,), (2, 3, 520), (5, 0), (0, 300)]
+  ("sign", "shape"),
+  [
+    pytest.param(
+      sign, shape, marks=() if SIGNS[i % 2] == sign else pytest.mark.slow, id=f"{sign}-shape{i}"
+    )
+    for sign in SIGNS
+    for i, shape in enumerate(SHAPES)
+  ],
 )
-@pytest.mark.parametrize("sign", SIGNS)
-def test_shapes_dtypes_and_nearest_rounding(shape, sign):
+def test_shapes_dtypes_and_nearest_rounding(sign, shape):
   x = wide_values(shape, sign=sign)
   x.reshape(-1)[:1] = 0.75  # a nonzero scalar
   c, decoded = encode_decode(x, sign)

@@ -172,6 +172,10 @@ def adam_beside_float32_adam(moments, chunks):
   return run(jax.random.split(jax.random.key(0), sum(chunks)))
 
 
+# The 2000-step drift runs are long-run statistics, for -m slow; the quick
+# tier checks the codes' rounding is unbiased (test_moment_codes) and that a
+# positive nu never decodes to zero (below).
+@pytest.mark.slow
 def test_bfloat16_moments_track_float32_optax_without_drift():
   """float32 params (no masters): the same gradient stream into optax.adam
   and into its bfloat16-moment form. Stochastic rounding keeps nu unbiased
@@ -195,6 +199,7 @@ def test_bfloat16_moments_track_float32_optax_without_drift():
   assert np.all(np.asarray(got.nu["w"]) > 0)
 
 
+@pytest.mark.slow
 def test_8bit_moments_stay_within_a_per_block_bound_of_float32_optax_without_drift():
   """The same gradient stream into optax.adam (float32 params, no masters)
   and into its 8-bit-moment form, checked after 500, 1000, 1500 and 2000

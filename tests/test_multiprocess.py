@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+# Slow: two processes that each start jax (most of the test's time), a
+# release's check of the multi-host setup; -m multiprocess runs it alone.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 NUM_PROCESSES = 2

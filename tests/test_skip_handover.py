@@ -115,8 +115,31 @@ def inner_of(state):
   return without_skip_counts(state.inner_state)
 
 
-@pytest.mark.parametrize("name", list(TRANSFORMATIONS))
-def test_poisoned_steps_leave_every_state_as_if_never_fed(name, finite_check_form):
+# The quick tier runs each transformation in one form of the skip, the lax.cond
+# ("one CPU device") or the select ("GPU form"), those that keep state beside
+# mixed_precision's in the select (which computes every new leaf and keeps
+# the old); -m slow runs every transformation in every form.
+GPU_FORM = {"stateful rule before", "rule keeping the last gradient before", "MultiSteps around"}
+FORMS = ("one CPU device", "several devices", "GPU form")  # conftest.py's
+
+
+@pytest.mark.parametrize(
+  ("finite_check_form", "name"),
+  [
+    pytest.param(
+      form,
+      name,
+      id=f"{form}-{name}",
+      marks=()
+      if form == ("GPU form" if name in GPU_FORM else "one CPU device")
+      else pytest.mark.slow,
+    )
+    for form in FORMS
+    for name in TRANSFORMATIONS
+  ],
+  indirect=["finite_check_form"],
+)
+def test_poisoned_steps_leave_every_state_as_if_never_fed(finite_check_form, name):
   tx = mpx.static_loss_scale(TRANSFORMATIONS[name](), SCALE)
   steps, poisoned = 12, {2, 3, 7, 10}
   plan = gradient_plan(steps, poisoned)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, given, settings
 from treecheck import round_like_params, skip_recorded, tree_equal
 
@@ -156,6 +157,15 @@ def floating_mask(params):
   return jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.floating), params)
 
 
+# Quick: the "one CPU device" form (the lax.cond, run in Python here); the
+# select's skip is run on random trees by -m slow, and on whole training runs
+# by test_fault_injection's quick "GPU form" cases.
+@pytest.mark.parametrize(
+  "finite_check_form",
+  ["one CPU device"]
+  + [pytest.param(f, marks=pytest.mark.slow) for f in ("several devices", "GPU form")],
+  indirect=True,
+)
 @settings(
   suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=25, deadline=None
 )
