@@ -145,7 +145,7 @@ EIGHT_BIT_SWEEP_WHY = (
 FOUR_BIT_SWEEP_WHY = (
   "4-bit moments: XLA:GPU writes the new moments out in float32 and reads them back: "
   "the half-width codes are written by a kernel of another shape than the update's "
-  "(the two-pass coder of docs/design.md is not in yet)"
+  "(a two-pass coder, maxima first, is not in the library yet)"
 )
 
 
