@@ -468,6 +468,9 @@ with open(sys.argv[2], "wb") as f:
 """
 
 
+# A figure of XLA's cost model as the newest jax compiles it, in a second
+# process (its own jax start): a release's check, for -m slow.
+@pytest.mark.slow
 @pytest.mark.xla_cost
 def test_in_a_one_device_process_compressed_moments_are_written_in_place(tmp_path):
   """With one device, compression is ordered after the master update (see
