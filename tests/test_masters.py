@@ -80,15 +80,17 @@ def grads_sequence(params, steps: int, seed: int):
   return seq
 
 
-# Each rule in one form in the quick tier (two compilations a case), SGD (the
-# saturation corner) on the CPU, AdamW in the GPU form; -m slow adds the rest.
+# Two compilations a case. The quick tier keeps SGD (the saturation corner)
+# in the CPU form; -m slow adds AdamW and the GPU form (test_fault_injection's
+# quick GPU-form cases run remainder masters in the select, against a run
+# never fed the skipped steps).
 @pytest.mark.parametrize(
   ("inner", "form"),
   [
     ("sgd", "CPU form"),
     pytest.param("adamw", "CPU form", marks=pytest.mark.slow),
     pytest.param("sgd", "GPU form", marks=pytest.mark.slow),
-    ("adamw", "GPU form"),
+    pytest.param("adamw", "GPU form", marks=pytest.mark.slow),
   ],
 )
 def test_remainder_is_bitwise_full_over_whole_trajectories(inner, form):

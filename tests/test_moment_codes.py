@@ -198,8 +198,19 @@ def test_every_code_decodes_to_its_level_times_the_scale(sign, scale):
   np.testing.assert_array_equal(decoded, expected.astype(np.float32) * np.float32(scale))
 
 
-@pytest.mark.parametrize("sign", SIGNS)
-@pytest.mark.parametrize("stochastic", [False, True])
+def each_sign_once(stochastic=(False, True)):
+  """(sign, stochastic) for a parametrize, ids as stacked parametrizes give
+  them; the quick tier takes each sign and each rounding once (signed with
+  nearest, nonnegative with stochastic rounding), -m slow the other two."""
+  quick = {("signed", False), ("nonnegative", True)}
+  return [
+    pytest.param(sign, s, id=f"{s}-{sign}", marks=() if (sign, s) in quick else pytest.mark.slow)
+    for s in stochastic
+    for sign in SIGNS
+  ]
+
+
+@pytest.mark.parametrize(("sign", "stochastic"), each_sign_once())
 def test_levels_and_block_maxima_round_trip_exactly(sign, stochastic):
   rng = np.random.default_rng(1)
   levels = reference_levels(sign)
@@ -220,8 +231,7 @@ def test_levels_and_block_maxima_round_trip_exactly(sign, stochastic):
   )
 
 
-@pytest.mark.parametrize("sign", SIGNS)
-@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize(("sign", "stochastic"), each_sign_once())
 def test_zero_is_exact_and_finite_input_stays_finite(sign, stochastic):
   big = np.finfo(np.float32).max
   rows = np.array(
@@ -396,9 +406,22 @@ def test_one_compilation_and_no_host_transfer(sign):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-@pytest.mark.parametrize("spec", [P(None, "x"), P("x", None)])
-@pytest.mark.parametrize("sign", SIGNS)
-def test_sharded_leaf_codes_bitwise_as_unsharded_with_no_collective(spec, sign):
+# Each sign and each split once in the quick tier (a compilation for 8
+# devices each), -m slow the other two.
+@pytest.mark.parametrize(
+  ("sign", "spec"),
+  [
+    pytest.param(
+      sign,
+      spec,
+      id=f"{sign}-spec{i}",
+      marks=() if SIGNS.index(sign) == i else pytest.mark.slow,
+    )
+    for sign in SIGNS
+    for i, spec in enumerate([P(None, "x"), P("x", None)])
+  ],
+)
+def test_sharded_leaf_codes_bitwise_as_unsharded_with_no_collective(sign, spec):
   """Blocks follow the last axis: sharding 4096 columns 8 ways gives each
   device 2 whole blocks, so encoding needs no communication."""
   mesh = jax.make_mesh((8,), ("x",))

@@ -31,6 +31,13 @@ def grads_like(params, seed):
   )
 
 
+def quick_only(values, quick):
+  """``values`` for a parametrize, all but ``quick`` behind the slow marker:
+  the quick tier takes the case that holds the most of the others' state
+  (8-bit codes and block scales over bfloat16 values, a remainder over none)."""
+  return [v if v == quick else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
 def bytes_per_param(state, params):
   """Bytes of ``state`` per element of ``params``; either may be abstract
   (``jax.eval_shape``'s): the count needs only shapes and dtypes."""
@@ -319,7 +326,7 @@ def test_8bit_state_is_sharded_with_its_leaf_and_adds_no_collective():
   assert tree_equal(jax.device_get(new_state), jax.device_get(want_state))
 
 
-@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+@pytest.mark.parametrize("moments", quick_only(["bfloat16", "8bit"], "8bit"))
 def test_adjust_changes_the_rate_without_recompiling(moments):
   params = bf16_params()
   tx = mpx.mixed_precision(
@@ -368,7 +375,7 @@ def test_a_mapping_names_each_fields_sign():
     mpx.mixed_precision(optax.adam(1e-3), moments="8bit", moment_fields={"nu": "positive"})
 
 
-@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+@pytest.mark.parametrize("moments", quick_only(["bfloat16", "8bit"], "8bit"))
 def test_under_multisteps_a_skipped_micro_step_writes_no_stored_byte(moments):
   """MultiSteps puts loss_scale on its general path (the verdict read after
   the inner update, the state rolled back leaf by leaf): codes and scales
@@ -390,7 +397,8 @@ def test_under_multisteps_a_skipped_micro_step_writes_no_stored_byte(moments):
   assert tree_equal(stored[1], stored[0])
 
 
-@pytest.mark.parametrize("masters", ["full", "remainder"])  # stochastic keeps no master
+# stochastic keeps no master
+@pytest.mark.parametrize("masters", quick_only(["full", "remainder"], "remainder"))
 def test_8bit_moments_start_from_full_precision_params(masters):
   full = {"w": jax.random.normal(jax.random.key(0), BIG)}
   tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments="8bit")
@@ -460,6 +468,9 @@ with open(sys.argv[2], "wb") as f:
 """
 
 
+# A figure of XLA's cost model as the newest jax compiles it, in a second
+# process (its own jax start): a release's check, for -m slow.
+@pytest.mark.slow
 @pytest.mark.xla_cost
 def test_in_a_one_device_process_compressed_moments_are_written_in_place(tmp_path):
   """With one device, compression is ordered after the master update (see

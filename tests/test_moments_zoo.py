@@ -65,10 +65,10 @@ CASES = sorted(
 MIN_COSINE_4BIT = 0.6
 REFUSED_4BIT = {"optax.rmsprop"}  # centered: optax.scale_by_stddev
 # The quick tier's rules (each compiles a full and an 8-bit run): rmsprop (both
-# codes, and a trace beside its moments), sm3 (a momentum named nu: the signed
-# code where the name suggests the other) and muon (moments nested in another
-# rule's state). -m slow runs every rule.
-QUICK = {"optax.rmsprop", "optax.sm3", "optax.contrib.muon"}
+# codes, and a trace beside its moments) and sm3 (a momentum named nu: the
+# signed code where the name suggests the other). -m slow runs every rule,
+# muon's moments nested in another rule's state among them.
+QUICK = {"optax.rmsprop", "optax.sm3"}
 
 
 def run(name, moments):

@@ -406,7 +406,14 @@ def single_device_reference():
   return seen
 
 
-@pytest.mark.parametrize("mapper", [shard_map_step, pmap_step], ids=["shard_map", "pmap"])
+# Quick: shard_map; -m slow adds pmap (which newer jax runs through shard_map).
+@pytest.mark.parametrize(
+  "mapper",
+  [
+    pytest.param(shard_map_step, id="shard_map"),
+    pytest.param(pmap_step, id="pmap", marks=pytest.mark.slow),
+  ],
+)
 def test_axis_name_keeps_all_replicas_in_lockstep_over_many_steps(mapper):
   reference = single_device_reference()
   seen = run_replicas(lockstep_tx("data"), mapper(lockstep_tx("data")))

@@ -272,12 +272,14 @@ def test_tree_map_params_hands_rounding_keys_to_transform_non_params():
 # flax linen: params boxed by nn.with_partitioning, shardings from nn.get_sharding
 
 
-# Both frictions at once (the key and the scales) in the quick run; each alone
-# in the slow one.
+# Both frictions at once (the key and the scales), and each alone; -m slow
+# (four compilations for the mesh and one device each). The quick tier puts
+# mpx's state on a mesh through a container in test_containers (nnx, the box
+# rule linen's shares) and lays out every mode here with zero1_shardings.
 LINEN_MODES = [
   pytest.param("stochastic", "full", marks=pytest.mark.slow),
   pytest.param("full", "8bit", marks=pytest.mark.slow),
-  ("stochastic", "8bit"),
+  pytest.param("stochastic", "8bit", marks=pytest.mark.slow),
 ]
 
 

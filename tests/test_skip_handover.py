@@ -223,7 +223,10 @@ def compiled_step(tx, params):
   return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
 
 
+# A figure of XLA's cost model as the newest jax compiles it: a release's
+# check, for -m slow.
 @jax_versions.requires_jax("0.10.2", "older XLA:CPU's figure: docs/design.md")
+@pytest.mark.slow
 @pytest.mark.xla_cost
 @pytest.mark.parametrize(
   ("dtype", "make_tx"),

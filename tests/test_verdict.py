@@ -217,9 +217,9 @@ def _check_all_skipped(updates, states):
 def test_the_verdict_after_the_cast_is_agreed_across_axis_name_under_vmap():
   tx, params, local = _split_verdict_case()
   state = tx.init(params)
-  updates, states = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="data")(
-    local, state, params
-  )
+  # Jitted: eagerly every batched operation would compile on its own.
+  update = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), axis_name="data"))
+  updates, states = update(local, state, params)
   _check_all_skipped(updates, states)
 
 
@@ -273,9 +273,9 @@ def test_a_skip_inside_a_chain_is_agreed_across_axis_name():
   params = jnp.ones(4, jnp.float8_e5m2)
   local = jnp.ones((8, 4), jnp.float32).at[5, 0].set(7e4)
   state = tx.init(params)
-  updates, states = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="data")(
-    local, state, params
-  )
+  # Jitted: eagerly every batched operation would compile on its own.
+  update = jax.jit(jax.vmap(tx.update, in_axes=(0, None, None), axis_name="data"))
+  updates, states = update(local, state, params)
   assert not np.any(np.asarray(updates, np.float32))
   assert np.all(np.asarray(states.skipped_steps) == 1)
   assert np.all(np.asarray(states.inner_state[0].count) == 0)  # the chain did not advance
