@@ -47,12 +47,73 @@ def check_mixed_precision_inputs(
       "mixed_precision needs the current params: call tx.update(grads, opt_state, params)."
     )
   expected = init_like(params)
-  _check_state_type("mixed_precision", state, type(expected))
+  if not isinstance(state, type(expected)):
+    raise _wrong_state_type("mixed_precision", state, type(expected))
+
+  # What the state stores per param leaf, against what init would store.
+  def stored_mismatch(stored_def, params_def):
+    return ValueError(
+      "mixed_precision: params do not match the optimizer state (was the state "
+      f"made by init on another tree?).\n  state: {stored_def}\n  params: {params_def}"
+    )
+
   field = expected._fields[0]
-  _check_stored(field, getattr(state, field), getattr(expected, field), params)
-  _check_grads_match_params("mixed_precision", grads, params)
+  params_def: Any = jax.tree.structure(params, is_leaf=tree_lib.is_placeholder)
+  flat_expected = params_def.flatten_up_to(getattr(expected, field))
+  paired = zip_leaves(getattr(state, field), params, stored_mismatch)
+  for (path, got, param), want in zip(paired, flat_expected, strict=True):
+    if tree_lib.is_placeholder(want) and not tree_lib.is_placeholder(got):
+      # A remainder's or a rounding key's master is float32.
+      master = tree_lib.leaf_dtype(got) if tree_lib.is_floating(got) else np.dtype(np.float32)
+      raise ValueError(
+        f"mixed_precision: param {path!r} is {describe(param)}, but the state "
+        "holds a master for a narrower param: the params were widened. mpx's updates are "
+        f"in {master}, and an apply that adds them without casting back (e.g. "
+        "equinox.apply_updates) widens each param. Apply them with optax.apply_updates, "
+        "which keeps every param's dtype (with equinox: eqx.partition the model, "
+        "optax.apply_updates the arrays, eqx.combine)."
+      )
+    if tree_lib.is_placeholder(got) and not tree_lib.is_placeholder(want):
+      raise ValueError(
+        f"mixed_precision: param {path!r} is {describe(param)} but the state "
+        "holds no master for it (the state was initialised on wider params). "
+        "Re-initialise, or use mpx.init_from_full_precision to start "
+        "low-precision training from full-precision weights."
+      )
+    if tree_lib.is_placeholder(want):
+      continue
+    if np.shape(got) != np.shape(want) and np.shape(want) == np.shape(param):
+      hint = ""
+      if varying_axes(param):  # a shard of the param inside shard_map
+        hint = (
+          " Inside shard_map the state must be split like the params: "
+          "mpx.zero1_shardings(tx, params, mesh, axis=None) gives its shardings (their "
+          ".spec for in_specs and out_specs)."
+        )
+      raise ValueError(
+        f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but its "
+        f"master has shape {list(np.shape(got))}.{hint}"
+      )
+    if np.shape(got) != np.shape(want) or tree_lib.leaf_dtype(got) != tree_lib.leaf_dtype(want):
+      raise ValueError(
+        "mixed_precision: opt_state was not made by this transformation's init (or not "
+        f"for these params): at {field}/{path}: expected {describe(want)}, got "
+        f"{describe(got)} (another masters= mode or master dtype?)."
+      )
+
+  check_gradients("mixed_precision", grads, params)
   if own_verdict:
-    _check_own_verdict_agrees(grads, state.applied_steps)
+    # FSDP under mixed_precision alone, which has no axis_name to agree the verdict.
+    axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+    loose = axes - varying_axes(state.applied_steps)
+    if loose:
+      raise ValueError(
+        f"mixed_precision: the gradients vary across mesh axis {_axes_text(loose)} "
+        "(shard_map), so each device would decide alone whether to skip the step. Agree "
+        "the verdict across them: mpx.static_loss_scale(tx, 1.0, axis_name="
+        f"{_axes_arg(loose)}) for bfloat16 (a scale of 1 changes nothing else), or "
+        f"mpx.loss_scale(tx, axis_name={_axes_arg(loose)}) for float16."
+      )
   check_state_like("mixed_precision", state.inner_state, expected.inner_state, "inner_state/")
 
 
@@ -68,11 +129,24 @@ def check_loss_scale_inputs(
   transformation does not hand the gradients to a ``mixed_precision``, which
   checks them itself), the gradients against the params and the inner state
   against ``inner_init``'s. Returns whether any gradient is per-example."""
-  _check_state_type("loss_scale", state, LossScaleState)
-  _check_verdict_agrees(grads, state.loss_scale, axis_name)
+  if not isinstance(state, LossScaleState):
+    raise _wrong_state_type("loss_scale", state, LossScaleState)
+  # Gradients varying over an axis that neither axis_name reduces nor the loss
+  # scale varies over: each device would skip on its own verdict.
+  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+  names = () if axis_name is None else axis_name
+  reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
+  loose = axes - reduced - varying_axes(state.loss_scale)
+  if loose:
+    raise ValueError(
+      f"loss_scale: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), "
+      f"but axis_name={axis_name!r} does not reduce the verdict over it and the loss scale "
+      "is replicated over it: each device would decide alone whether to skip. Pass "
+      f"axis_name={_axes_arg(reduced | loose)} so that every device agrees."
+    )
   if params is None or inner_init is None:
     return False
-  per_example = _check_grads_match_params("loss_scale", grads, params)
+  per_example = check_gradients("loss_scale", grads, params)
   expected = jax.eval_shape(inner_init, params)
   check_state_like("loss_scale", state.inner_state, expected, "inner_state/")
   return per_example
@@ -109,7 +183,9 @@ def check_inner_results(
     )
 
   for path, new, old in zip_leaves(new_state, old_state, state_mismatch):
-    if not tree_lib.is_placeholder(new) and _signature(new) != _signature(old):
+    if tree_lib.is_placeholder(new):
+      continue
+    if np.shape(new) != np.shape(old) or tree_lib.leaf_dtype(new) != tree_lib.leaf_dtype(old):
       raise TypeError(
         f"{name}: the inner rule changed the type of its state at {path} from "
         f"{describe(old)} to {describe(new)}. Integer params reaching a rule such as "
@@ -128,7 +204,9 @@ def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> 
     return ValueError(f"{intro}: expected structure {expected_def}, got {state_def}.")
 
   for path, got, want in zip_leaves(state, expected, mismatch):
-    if not tree_lib.is_placeholder(want) and _signature(want) != _signature(got):
+    if tree_lib.is_placeholder(want):
+      continue
+    if np.shape(got) != np.shape(want) or tree_lib.leaf_dtype(got) != tree_lib.leaf_dtype(want):
       raise ValueError(
         f"{intro}: at {prefix}{path}: expected {describe(want)}, got {describe(got)}."
       )
@@ -171,7 +249,7 @@ def zip_leaves(
     raise mismatch(first_def, second_def)
   flat, _ = jax.tree_util.tree_flatten_with_path(first, is_leaf=tree_lib.is_placeholder)
   for (path, a), b in zip(flat, second_def.flatten_up_to(second), strict=True):
-    yield tree_lib.path_str(path) or "<root>", a, b
+    yield jax.tree_util.keystr(path, simple=True, separator="/") or "<root>", a, b
 
 
 def varying_axes(leaf: Any) -> frozenset[Any]:
@@ -190,17 +268,6 @@ def varying_axes(leaf: Any) -> frozenset[Any]:
   return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
 
 
-def _master_dtype(stored: Any) -> Any:
-  """Returns the dtype of the master a stored leaf stands for (a remainder's or
-  a rounding key's is float32)."""
-  dtype = tree_lib.leaf_dtype(stored)
-  return dtype if tree_lib.is_floating(stored) else np.dtype(np.float32)
-
-
-def _signature(leaf: Any) -> tuple[tuple[int, ...], Any]:
-  return (tuple(np.shape(leaf)), tree_lib.leaf_dtype(leaf))
-
-
 def _axes_text(axes: frozenset[Any]) -> str:
   return ", ".join(repr(a) for a in sorted(axes, key=str))
 
@@ -211,79 +278,27 @@ def _axes_arg(axes: frozenset[Any]) -> str:
   return repr(names[0] if len(names) == 1 else names)
 
 
-def _check_state_type(name: str, state: Any, state_type: type) -> None:
-  """Raises a TypeError unless ``state`` is a ``state_type``; a dict gets the
+def _wrong_state_type(name: str, state: Any, state_type: type) -> TypeError:
+  """Returns the error for a state that is not a ``state_type``; a dict gets the
   fix for a checkpoint restored without a target, which is how one arrives."""
-  if isinstance(state, state_type):
-    return
   hint = "pass the state made by this transformation's init."
   if isinstance(state, Mapping):
     hint = (
       "a checkpoint restored without a target comes back as dicts: restore it with the "
       "state from tx.init as the target (orbax: checkpointer.restore(path, target))."
     )
-  raise TypeError(
+  return TypeError(
     f"{name}.update got a state of type {type(state).__name__}, not {state_type.__name__}: {hint}"
   )
 
 
-def _check_stored(field: str, stored: Any, expected: Any, params: Any) -> None:
-  """Checks what a ``mixed_precision`` state stores per param leaf (its ``field``)
-  against what its init would store (``expected``), leaf by leaf."""
-
-  def mismatch(stored_def, params_def):
-    return ValueError(
-      "mixed_precision: params do not match the optimizer state (was the state "
-      f"made by init on another tree?).\n  state: {stored_def}\n  params: {params_def}"
-    )
-
-  params_def: Any = jax.tree.structure(params, is_leaf=tree_lib.is_placeholder)
-  flat_expected = params_def.flatten_up_to(expected)
-  paired = zip_leaves(stored, params, mismatch)
-  for (path, got, param), want in zip(paired, flat_expected, strict=True):
-    if tree_lib.is_placeholder(want) and not tree_lib.is_placeholder(got):
-      raise ValueError(
-        f"mixed_precision: param {path!r} is {describe(param)}, but the state "
-        "holds a master for a narrower param: the params were widened. mpx's updates are "
-        f"in {_master_dtype(got)}, and an apply that adds them without casting back (e.g. "
-        "equinox.apply_updates) widens each param. Apply them with optax.apply_updates, "
-        "which keeps every param's dtype (with equinox: eqx.partition the model, "
-        "optax.apply_updates the arrays, eqx.combine)."
-      )
-    if tree_lib.is_placeholder(got) and not tree_lib.is_placeholder(want):
-      raise ValueError(
-        f"mixed_precision: param {path!r} is {describe(param)} but the state "
-        "holds no master for it (the state was initialised on wider params). "
-        "Re-initialise, or use mpx.init_from_full_precision to start "
-        "low-precision training from full-precision weights."
-      )
-    if tree_lib.is_placeholder(want):
-      continue
-    if np.shape(got) != np.shape(want) and np.shape(want) == np.shape(param):
-      hint = ""
-      if varying_axes(param):  # a shard of the param inside shard_map
-        hint = (
-          " Inside shard_map the state must be split like the params: "
-          "mpx.zero1_shardings(tx, params, mesh, axis=None) gives its shardings (their "
-          ".spec for in_specs and out_specs)."
-        )
-      raise ValueError(
-        f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but its "
-        f"master has shape {list(np.shape(got))}.{hint}"
-      )
-    if _signature(got) != _signature(want):
-      raise ValueError(
-        "mixed_precision: opt_state was not made by this transformation's init (or not "
-        f"for these params): at {field}/{path}: expected {describe(want)}, got "
-        f"{describe(got)} (another masters= mode or master dtype?)."
-      )
-
-
-def _check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
+def check_gradients(name: str, grads: Any, params: Any) -> bool:
   """Checks that ``grads`` have the structure of ``adapters.gradient_params(params)``,
   each floating param a floating gradient of its shape (a broadcastable one
   would broadcast silently) or of it behind per-example axes, varying over no
-  mesh axis its param does not; returns whether any are per-example (then
+  mesh axis its param does not (per-device gradients of replicated params
+  inside ``shard_map``, which ``lax.cond`` would refuse later naming neither
+  the leaf nor the fix); returns whether any are per-example (then
   :func:`check_inner_results` checks the rule reduced them)."""
 
   def mismatch(grads_def, params_def):
@@ -305,7 +320,16 @@ def _check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
         f"{name}: gradient {path!r} is {tree_lib.leaf_dtype(grad)} but its param is "
         f"{tree_lib.leaf_dtype(param)}: the gradient of a floating param must be floating."
       )
-    _check_gradient_varies_like_param(name, path, grad, param)
+    extra = varying_axes(grad) - varying_axes(param)
+    if extra:
+      axes, arg = _axes_text(extra), _axes_arg(extra)
+      raise ValueError(
+        f"{name}: gradient {path!r} varies across mesh axis {axes} (shard_map) but its "
+        "param does not: each device would update its copy of the param and its state its "
+        f"own way. Reduce the gradients over {axes} first (jax.lax.pmean(grads, {arg})), or "
+        "take jax.grad with respect to the replicated params, which reduces them; or give "
+        f"the params and the optimizer state that axis (in_specs P({axes}))."
+      )
     grad_shape, shape = np.shape(grad), np.shape(param)
     if grad_shape == shape:
       continue
@@ -317,55 +341,3 @@ def _check_grads_match_params(name: str, grads: Any, params: Any) -> bool:
       f"shape {list(shape)}."
     )
   return per_example
-
-
-def _check_gradient_varies_like_param(name: str, path: str, grad: Any, param: Any) -> None:
-  """Refuses a gradient that varies over a mesh axis its param does not
-  (per-device gradients of replicated params inside ``shard_map``), which
-  ``lax.cond`` would refuse later naming neither the leaf nor the fix."""
-  extra = varying_axes(grad) - varying_axes(param)
-  if not extra:
-    return
-  axes, arg = _axes_text(extra), _axes_arg(extra)
-  raise ValueError(
-    f"{name}: gradient {path!r} varies across mesh axis {axes} (shard_map) but its param "
-    f"does not: each device would update its copy of the param and its state its own way. "
-    f"Reduce the gradients over {axes} first (jax.lax.pmean(grads, {arg})), or take "
-    "jax.grad with respect to the replicated params, which reduces them; or give the params "
-    f"and the optimizer state that axis (in_specs P({axes}))."
-  )
-
-
-def _check_verdict_agrees(grads: Any, scale: Any, axis_name: Any) -> None:
-  """Refuses gradients that vary over a mesh axis that neither ``axis_name``
-  reduces nor the loss scale varies over: each device would skip on its own
-  verdict. The message names the ``axis_name`` to pass."""
-  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
-  names = () if axis_name is None else axis_name
-  reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
-  loose = axes - reduced - varying_axes(scale)
-  if not loose:
-    return
-  raise ValueError(
-    f"loss_scale: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), but "
-    f"axis_name={axis_name!r} does not reduce the verdict over it and the loss scale is "
-    "replicated over it: each device would decide alone whether to skip. Pass "
-    f"axis_name={_axes_arg(reduced | loose)} so that every device agrees."
-  )
-
-
-def _check_own_verdict_agrees(grads: Any, counter: Any) -> None:
-  """Refuses gradients that vary over a mesh axis the counters do not (FSDP
-  under ``mixed_precision`` alone, which has no ``axis_name``). The message
-  names the wrapper whose ``axis_name`` agrees the verdict."""
-  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
-  loose = axes - varying_axes(counter)
-  if not loose:
-    return
-  raise ValueError(
-    f"mixed_precision: the gradients vary across mesh axis {_axes_text(loose)} (shard_map), "
-    "so each device would decide alone whether to skip the step. Agree the verdict across "
-    f"them: mpx.static_loss_scale(tx, 1.0, axis_name={_axes_arg(loose)}) for bfloat16 (a "
-    f"scale of 1 changes nothing else), or mpx.loss_scale(tx, axis_name={_axes_arg(loose)}) "
-    "for float16."
-  )
