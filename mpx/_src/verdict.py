@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -212,13 +213,12 @@ def _by_cond(
   # branches on explicit meshes.
   outputs_like = jax.eval_shape(step, state, arrays)[1]
 
-  def apply(state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
-    return *step(state, arrays), jnp.asarray(True)
-
-  def skip(state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
-    del arrays
+  def branch(taken: bool, state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
+    if taken:
+      return *step(state, arrays), jnp.asarray(True)
     return state, jax.tree.map(jnp.zeros_like, outputs_like), jnp.asarray(False)
 
+  apply, skip = functools.partial(branch, True), functools.partial(branch, False)
   return jax.lax.cond(finite, apply, skip, state, arrays)
 
 
@@ -265,17 +265,19 @@ _SMALL = 1 << 16
 
 
 def _single_cpu(on_device: list[jax.Array]) -> jax.Array:
-  """Returns the single-CPU form: sums where they prove finiteness, folded
-  flags for dtypes narrower than float32's range."""
-  summed = [x for x in on_device if _float32_range(x)]
-  finite = _all(_elementwise_flags([x for x in on_device if not _float32_range(x)]))
-  if not summed:
+  """Returns the single-CPU form: sums where they prove finiteness (leaves of
+  float32's range or more: bfloat16, float32, float64), folded flags for the
+  narrower dtypes."""
+  wide = [x for x in on_device if float(jnp.finfo(x.dtype).max) > 2.0**100]
+  narrow = [x for x in on_device if float(jnp.finfo(x.dtype).max) <= 2.0**100]
+  finite = _all([_folded_finite(group) for group in _groups(narrow, None)])
+  if not wide:
     return finite
   # Taken only when some sum is inf or NaN: an overflow, or a non-finite element.
   return finite & jax.lax.cond(
-    _all_finite_values(_sums(summed, lambda x: x, _SMALL)),
+    _all_finite_values(_sums(wide, lambda x: x, _SMALL)),
     lambda: jnp.asarray(True),
-    lambda: _all_finite_values(_sums(summed, lambda x: jax.lax.sub(x, x), None)),
+    lambda: _all_finite_values(_sums(wide, lambda x: jax.lax.sub(x, x), None)),
   )
 
 
@@ -302,12 +304,6 @@ def _all_finite_values(values: list[jax.Array]) -> jax.Array:
   return _all(
     [jnp.isfinite(jax.lax.optimization_barrier(jnp.stack(v))).all() for v in by_dtype.values()]
   )
-
-
-def _float32_range(x: jax.Array) -> bool:
-  """Returns whether ``x`` has float32's range or more (bfloat16, float32,
-  float64): such leaves are summed, the narrower ones checked elementwise."""
-  return float(jnp.finfo(x.dtype).max) > 2.0**100
 
 
 def _groups(leaves: list[jax.Array], below: int | None) -> list[list[jax.Array]]:
@@ -343,11 +339,6 @@ def _sums(
   return sums
 
 
-def _elementwise_flags(leaves: list[jax.Array]) -> list[jax.Array]:
-  """Returns one flag per group of leaves of one shape, of any size."""
-  return [_folded_finite(group) for group in _groups(leaves, None)]
-
-
 def _folded_finite(group: list[jax.Array]) -> jax.Array:
   """Returns ``isfinite(x).all()`` over a group of leaves of one shape, AND-ing
   ``_FOLD_WIDTH`` blocks of the group's leaves elementwise before reducing
@@ -356,29 +347,19 @@ def _folded_finite(group: list[jax.Array]) -> jax.Array:
   blocks = max(1, _FOLD_WIDTH // len(flats))
   block = flats[0].size // blocks
   if block == 0:  # fewer elements than blocks
-    return _and_of_blocks([jnp.isfinite(flat) for flat in flats]).all()
+    return functools.reduce(operator.and_, [jnp.isfinite(flat) for flat in flats]).all()
   # isfinite is applied per block: XLA leaves one isfinite over the whole leaf
   # unfused, writing a predicate per element.
   parts = [jnp.isfinite(flat[i * block : (i + 1) * block]) for flat in flats for i in range(blocks)]
-  folded = _and_of_blocks(parts)
+  folded = functools.reduce(operator.and_, parts)
   ok = jnp.asarray(True)
   if blocks * block < flats[0].size:  # fewer than `blocks` elements past the last block
-    ok = _and_of_blocks([jnp.isfinite(flat[blocks * block :]) for flat in flats]).all()
+    rests = [jnp.isfinite(flat[blocks * block :]) for flat in flats]
+    ok = functools.reduce(operator.and_, rests).all()
   if folded.size >= _MIN_FOLD_SIZE:
     inner = folded.size // _FOLD_WIDTH
     ok &= folded[_FOLD_WIDTH * inner :].all()
-    folded = _and_of_blocks(_blocks(folded, inner))
+    folded = functools.reduce(
+      operator.and_, [folded[i * inner : (i + 1) * inner] for i in range(_FOLD_WIDTH)]
+    )
   return ok & folded.all()
-
-
-def _blocks(flat: jax.Array, block: int) -> list[jax.Array]:
-  """Returns the first ``_FOLD_WIDTH`` consecutive blocks of ``block`` elements."""
-  return [flat[i * block : (i + 1) * block] for i in range(_FOLD_WIDTH)]
-
-
-def _and_of_blocks(parts: list[jax.Array]) -> jax.Array:
-  """Returns the elementwise AND of ``parts``."""
-  result = parts[0]
-  for part in parts[1:]:
-    result = result & part
-  return result
