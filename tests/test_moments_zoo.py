@@ -50,7 +50,7 @@ EXPECTED = {
   "optax.optimistic_adam": ADAM,
   "optax.optimistic_adam_v2": ADAM,
   "optax.radam": ADAM,
-  "optax.rmsprop": {"[0].mu['w']": S, "[0].nu['w']": N, "[2].trace['w']": S},
+  "optax.rmsprop": {"[2].trace['w']": S},  # centered: only its momentum, when asked
   "optax.sgd": {"[0].trace['w']": S},
   "optax.sm3": {"[0].nu['w']": S},  # momentum, named nu; its mu is per axis
   "optax.yogi": ADAM,
@@ -63,12 +63,16 @@ CASES = sorted(
 )
 # The cosine of a 4-bit moment with the full run's after 30 steps, at least.
 MIN_COSINE_4BIT = 0.6
-REFUSED_4BIT = {"optax.rmsprop"}  # centered: optax.scale_by_stddev
-# The quick tier's rules (each compiles a full and an 8-bit run): rmsprop (both
-# codes, and a trace beside its moments) and sm3 (a momentum named nu: the
-# signed code where the name suggests the other). -m slow runs every rule,
-# muon's moments nested in another rule's state among them.
+# Centered RMSprop (optax.scale_by_stddev) needs nu - mu**2 >= 0, which no code's
+# rounding keeps: its mu and nu are refused in every compressed format.
+REFUSED = {"optax.rmsprop"}
+# The quick tier's rules (each compiles a full and an 8-bit run): rmsprop (the
+# refusal; test_centered_rmsprop_compresses_only_its_momentum_when_asked runs
+# its trace beside the moments) and sm3 (a momentum named nu: the signed code
+# where the name suggests the other). -m slow runs every rule, muon's moments
+# nested in another rule's state among them.
 QUICK = {"optax.rmsprop", "optax.sm3"}
+REFUSAL = r"ScaleByRStdDevState\.\w+ \(optax.rmsprop\(centered=True\)\) cannot be stored in "
 
 
 def run(name, moments):
@@ -107,7 +111,15 @@ def compressed_kinds(state):
   "name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CASES]
 )
 def test_8bit_moments_of_every_zoo_rule(name):
-  full, compressed = run(name, "full"), run(name, "8bit")
+  if name in REFUSED:
+    with pytest.raises(ValueError, match=REFUSAL + "8bit"):
+      run(name, "8bit")
+    return
+  check_8bit_moments(name, "8bit")
+
+
+def check_8bit_moments(name, moments):
+  full, compressed = run(name, "full"), run(name, moments)
   kinds = compressed_kinds(compressed)
   assert kinds == EXPECTED.get(name, {})
   # The moments a compressed run keeps are the full run's, give or take the
@@ -131,8 +143,8 @@ def test_4bit_moments_of_every_zoo_rule(name):
   its sign, and each moment pointing where the full run's does (a cosine of
   at least MIN_COSINE_4BIT), with no positive second moment at 0; centered
   RMSprop, which needs ``nu - mu**2 >= 0``, refused by name."""
-  if name in REFUSED_4BIT:
-    with pytest.raises(ValueError, match=r"ScaleByRStdDevState\.\w+ .* cannot be stored in 4"):
+  if name in REFUSED:
+    with pytest.raises(ValueError, match=REFUSAL + "4bit"):
       run(name, "4bit")
     return
   full, compressed = run(name, "full"), run(name, "4bit")
@@ -151,3 +163,43 @@ def test_4bit_moments_of_every_zoo_rule(name):
     assert cosine > MIN_COSINE_4BIT, (path, cosine)
     if kind.startswith("Nonnegative"):
       assert np.all(g[w > 0] > 0), path
+
+
+@pytest.mark.parametrize("moments", [pytest.param("bfloat16", marks=pytest.mark.slow), "4bit"])
+def test_centered_rmsprop_refuses_every_code_for_its_moments(moments):
+  with pytest.raises(ValueError, match=REFUSAL + moments + r".*moments=\{'trace': '8bit'\}"):
+    run("optax.rmsprop", moments)
+
+
+def test_centered_rmsprop_compresses_only_its_momentum_when_asked():
+  # The refusal's fix: its trace (beside the moments, after them in the
+  # chain) in 8 bits, near the full run's; mu and nu stay float32.
+  check_8bit_moments("optax.rmsprop", {"trace": "8bit"})
+
+
+@pytest.mark.slow
+def test_centered_rmsprop_turns_nan_once_its_moments_are_rounded():
+  # Why the refusal: fed a steady gradient (1 plus 1% noise), optax's own
+  # centered RMSprop stays finite in float32, and turns its params NaN once
+  # its mu and nu are rounded to bfloat16 after every step (nu - mu**2 < 0).
+  tx = optax.rmsprop(1e-3, centered=True)
+  grads = 1 + 0.01 * jax.random.normal(jax.random.key(0), (60, 64, 256))
+
+  def rounded(state):
+    (stddev, *rest) = state
+    to_bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    return (stddev._replace(mu=to_bf16(stddev.mu), nu=to_bf16(stddev.nu)), *rest)
+
+  @jax.jit
+  def final_params(round_moments):
+    def body(carry, g):
+      params, state = carry
+      updates, state = tx.update(g, state, params)
+      state = jax.lax.cond(round_moments, rounded, lambda s: s, state)
+      return (optax.apply_updates(params, updates), state), None
+
+    params = jnp.zeros((64, 256))
+    return jax.lax.scan(body, (params, tx.init(params)), grads)[0][0]
+
+  assert np.all(np.isfinite(final_params(False)))
+  assert not np.all(np.isfinite(final_params(True)))

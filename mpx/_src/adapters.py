@@ -56,19 +56,21 @@ KNOWN_SIGNS: dict[tuple[str, str], Sign] = {
   ("ScaleBySM3State", "nu"): "signed",
 }
 
-# optax's centered RMSprop (scale_by_stddev) divides by sqrt(nu - mu**2 + eps):
-# the 4-bit codes' error makes nu - mu**2 negative, the update NaN.
-_NEEDS_NU_ABOVE_MU_SQUARED = {"ScaleByRStdDevState"}
+# optax's centered RMSprop (scale_by_stddev) divides by sqrt(nu - mu**2 + eps).
+# Where the gradient barely varies, nu - mu**2 is far below nu and mu**2, and
+# any code's rounding of either (bfloat16's too) makes it negative: a NaN update.
+_NEEDS_NU_ABOVE_MU_SQUARED = {"ScaleByRStdDevState": ("mu", "nu")}
 
 
-def refuse_4bit_for(state_name: str, field: str) -> None:
-  """Refuses 4-bit codes for a state whose rule needs its moments more exact."""
-  if state_name in _NEEDS_NU_ABOVE_MU_SQUARED:
+def refuse_compressed(state_name: str, field: str, code: str) -> None:
+  """Refuses to store ``field`` of a state whose rule needs it exact in ``code``."""
+  if field in _NEEDS_NU_ABOVE_MU_SQUARED.get(state_name, ()):
     raise ValueError(
       f"mixed_precision: {state_name}.{field} (optax.rmsprop(centered=True)) cannot be "
-      "stored in 4 bits: the rule divides by sqrt(nu - mu**2 + eps), and the 4-bit codes' "
-      "error makes nu - mu**2 negative (a NaN update). Store its moments in 8 bits "
-      "(moments='8bit'), or keep them in float32 (moments='full')."
+      f"stored in {code}: the rule divides by sqrt(nu - mu**2 + eps), and where a "
+      "gradient barely varies the rounding of nu or mu makes nu - mu**2 negative (a NaN "
+      "update). Keep its moments in float32 (moments='full'), or compress only its "
+      "momentum (moments={'trace': '8bit'})."
     )
 
 

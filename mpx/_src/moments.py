@@ -194,6 +194,7 @@ class MomentsFormat:
     code = dict(self.formats)[field]
     if code == "full":
       return UNCOMPRESSED
+    adapters.refuse_compressed(state_name, field, code)
     key = int(rounding.leaf_key(self.seed ^ _SEED_SALT, index))
     shape = np.shape(leaf)
     # A row too short for a code's block scales to pay is stored in bfloat16.
@@ -205,7 +206,6 @@ class MomentsFormat:
       sign = adapters.KNOWN_SIGNS.get((state_name, field), sign)
     if code == "8bit":
       return EightBitCompressed(key, sign)
-    adapters.refuse_4bit_for(state_name, field)
     return FourBitCompressed(key, sign)
 
   def stored_like(self, inner_like: Any) -> Any:
