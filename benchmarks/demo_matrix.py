@@ -189,9 +189,6 @@ def write_docs(path: pathlib.Path, lines: list[str], records: list[dict], comman
   demo_args = records[0]["demo_args"]
   extra = demo_args[demo_args.index("--out") + 2 :]
   extra = f"with `{shlex.join(extra)}`" if extra else "at its defaults"
-  bitwise = sum(
-    any(c.startswith("OK: bf16+mpx remainder is bitwise") for c in r["checks"]) for r in records
-  )
   short = any(len(r["rows"]) < max(len(x["rows"]) for x in records) for r in records)
   page = prose(
     "page",
@@ -215,7 +212,6 @@ def write_docs(path: pathlib.Path, lines: list[str], records: list[dict], comman
     fastest=min(seconds),
     slowest=max(seconds),
     sse4_2=prose("sse4_2", template=TEMPLATE) + "\n" if short else "",
-    bitwise=bitwise,
   )
   path.write_text("\n".join([page, "", *lines, ""]))
 

@@ -11,22 +11,20 @@ validation loss must meet:
 * ``bf16+mpx``: bf16 params and compute with ``mpx.mixed_precision(adamw)``:
   float32 master weights and Adam moments live in the optimizer state
   (12 bytes per parameter).
-* ``bf16+mpx remainder``: the same with ``masters="remainder"``: only the low
-  16 bits of each float32 master are stored (an int16; the bf16 param is the
-  high half), 10 bytes per parameter. It must reproduce ``bf16+mpx`` bit for
-  bit: the same losses at every step, the same final params.
 * ``bf16 stochastic``: ``masters="stochastic"``: no master at all (8 bytes per
   parameter, as FP32); each bf16 param is updated in float32 and rounded up or
   down at random, so updates below half an ulp survive in expectation.
-* ``bf16 remainder + bf16 moments``: ``masters="remainder", moments="bfloat16"``:
-  exact masters as ``bf16+mpx remainder``, and Adam's moments stored in
-  bfloat16 between steps (rounded stochastically; the rule itself still runs
-  in float32): 6 bytes per parameter.
-* ``bf16 remainder + 8bit moments``: ``moments="8bit"``: each moment one byte
-  per element plus a float32 scale per block of its last axis (at most 256
-  elements), about 4 bytes per parameter with the exact masters.
-* ``bf16 stochastic + 8bit moments``: no master and 8-bit moments, about 2
-  bytes per parameter; within 2% of FP32, as ``bf16 stochastic``.
+* ``bf16 remainder + 8bit moments``: ``masters="remainder", moments="8bit"``:
+  only the low 16 bits of each float32 master are stored (an int16; the bf16
+  param is the high half), bitwise the same masters as ``bf16+mpx``
+  (tests/test_masters.py proves it over whole runs), and each of Adam's
+  moments one byte per element plus a float32 scale per block of its last
+  axis (at most 256 elements): about 4 bytes per parameter, exact masters.
+* ``bf16 remainder + 4bit moments``: ``moments="4bit"``: half a byte per
+  moment and element, a float32 scale per block of at most 128: about 3 bytes
+  per parameter with the exact masters.
+* ``bf16 stochastic + 4bit moments``: no master and 4-bit moments, about 1
+  byte per parameter; within 2% of FP32, as ``bf16 stochastic``.
 * ``fp16+mpx+scale``: fp16 params and compute with
   ``mpx.loss_scale(mpx.mixed_precision(adamw))``, differentiating
   ``mpx.scale_loss(loss, opt_state)``.
@@ -35,22 +33,26 @@ validation loss must meet:
   decay, the small steps late in the cosine schedule) is rounded away.
 
 Those byte counts are for AdamW on large leaves. mpx compresses only leaves
-of at least 4,096 elements (under ``"8bit"`` with a last axis of at least 16;
-smaller leaves stay float32), and the table's ``state B/param`` counts every
-byte. At the default size 98% of the params (110,592 of 112,384) have
-compressed moments: the table shows 6.06 for bfloat16 moments, and 4.27 and
-2.27 for 8 bits, whose extra 0.27 is the small leaves' float32 moments (0.10)
-and the blocks' scales (0.18; most of it the attention's ``qkv`` kernel,
-whose last axis, the head size, is 16: a float32 scale per 16 bytes). At the
-smoke size only 69% do (12,288 of 17,888: the embedding and the MLP; the
-positions and attention kernels are under 4,096 elements): 7.25, 6.01 and 4.01.
+of at least 4,096 elements (under ``"8bit"`` with a last axis of at least 16,
+under ``"4bit"`` of at least 6; smaller leaves stay float32), and the table's
+``state B/param`` counts every byte. At the default size 98% of the params
+(110,592 of 112,384) have compressed moments: the table shows 4.27 for 8 bits,
+3.30 and 1.30 for 4 bits, whose extra 0.27 and 0.30 are the small leaves'
+float32 moments (0.13) and the blocks' scales (most of them the attention's
+``qkv`` kernel, whose last axis, the head size, is 16: a float32 scale per 16
+elements). At the smoke size only 69% do (12,288 of 17,888: the embedding and
+the MLP; the positions and attention kernels are under 4,096 elements): 6.01,
+5.32 and 3.32.
 
 In every row the attention softmax and the final softmax/cross-entropy run in
 float32; everything else computes in the params' dtype. The whole run of each
 row is a few jitted ``lax.scan`` chunks of steps that return the per-step loss
 and loss scale, fetched one chunk behind, so the host never waits on a step.
 Each row compiles its own step (its optimizer state has its own structure);
-the rows compile side by side, one per core, before the first one trains.
+the rows compile side by side, one per core, before the first one trains,
+and then train side by side too (``--jobs``, by default the CPU's cores: a
+step of this small model keeps about one core busy), so each row's tokens/s
+is measured while others run beside it.
 
 Run from the repository root::
 
@@ -61,13 +63,11 @@ Run from the repository root::
 
 It prints a table with a line per row and writes a plot (``--out``, default
 ``demo_results/demo.png``). Unless ``--no-check``, it checks the outcome and
-exits with status 1 unless ``bf16+mpx remainder`` is bitwise identical to
-``bf16+mpx`` (per-step losses, final params, validation loss), every mpx row
-ends at most its tolerance above the FP32 validation loss (1%; 2% for the
-two stochastic rounding rows) and ``bf16 no masters`` ends more than 2% above
-it (``--tolerance`` and ``--min-gap`` override the bounds). With ``--smoke``
-(too small to mean anything about losses) only the first, which holds at any
-size, is checked. ``--rows`` trains only some rows, and ``--json`` writes the
+exits with status 1 unless every mpx row ends at most its tolerance above
+the FP32 validation loss (1%; 2% for the two stochastic rounding rows) and
+``bf16 no masters`` ends more than 2% above it (``--tolerance`` and
+``--min-gap`` override the bounds). With ``--smoke`` (too small to mean
+anything about losses) nothing is checked. ``--rows`` trains only some rows, and ``--json`` writes the
 run's numbers for scripts (``benchmarks/demo_matrix.py``). Where XLA cannot
 compile float16 (x86 CPUs without F16C, from before 2012) the fp16 row is
 skipped, with a note.
@@ -174,7 +174,6 @@ class Row:
       relative gap above FP32's (``--tolerance`` overrides it).
     worse_by: if set, the row must end more than this relative gap above
       FP32's validation loss (``--min-gap`` overrides it).
-    same_as: if set, the row must be bitwise identical to the row of this name.
     masters: whether ``tx`` keeps a float32 master of every 16-bit param: the
       row then starts with its masters seeded from the exact FP32 weights
       (``mpx.init_from_full_precision``; ``tx.init`` on cast params could only
@@ -186,7 +185,6 @@ class Row:
   tx: Callable[[optax.GradientTransformation, Settings], optax.GradientTransformation]
   tolerance: float | None = None
   worse_by: float | None = None
-  same_as: str | None = None
   masters: bool = True
 
 
@@ -200,26 +198,11 @@ ROWS = (
   Row("fp32", jnp.float32, lambda adamw, s: adamw, masters=False),
   Row("bf16+mpx", BF16, lambda adamw, s: mpx.mixed_precision(adamw), tolerance=0.01),
   Row(
-    "bf16+mpx remainder",
-    BF16,
-    lambda adamw, s: mpx.mixed_precision(adamw, masters="remainder"),
-    tolerance=0.01,
-    same_as="bf16+mpx",
-  ),
-  Row(
     "bf16 stochastic",
     BF16,
     lambda adamw, s: mpx.mixed_precision(adamw, masters="stochastic", seed=s.seed),
     tolerance=0.02,
     masters=False,
-  ),
-  Row(
-    "bf16 remainder + bf16 moments",
-    BF16,
-    lambda adamw, s: mpx.mixed_precision(
-      adamw, masters="remainder", moments="bfloat16", seed=s.seed
-    ),
-    tolerance=0.01,
   ),
   Row(
     "bf16 remainder + 8bit moments",
@@ -228,9 +211,15 @@ ROWS = (
     tolerance=0.01,
   ),
   Row(
-    "bf16 stochastic + 8bit moments",
+    "bf16 remainder + 4bit moments",
     BF16,
-    lambda adamw, s: mpx.mixed_precision(adamw, masters="stochastic", moments="8bit", seed=s.seed),
+    lambda adamw, s: mpx.mixed_precision(adamw, masters="remainder", moments="4bit", seed=s.seed),
+    tolerance=0.01,
+  ),
+  Row(
+    "bf16 stochastic + 4bit moments",
+    BF16,
+    lambda adamw, s: mpx.mixed_precision(adamw, masters="stochastic", moments="4bit", seed=s.seed),
     tolerance=0.02,
     masters=False,
   ),
@@ -421,13 +410,30 @@ def compile_all(prepared: list[Prepared]) -> float:
   return time.perf_counter() - start
 
 
-def train(prepared: Prepared, settings: Settings, data: dict[str, jax.Array]) -> Result:
+def train_all(
+  prepared: list[Prepared], settings: Settings, data: dict[str, jax.Array], jobs: int
+) -> list[Result]:
+  """Trains the compiled rows, ``jobs`` side by side, and returns their results in order.
+
+  A step of this small model keeps about one core busy, and XLA runs each
+  thread's programs without holding Python's lock, so on several cores rows
+  train side by side; a row's bits do not depend on what runs beside it.
+  """
+  with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+    futures = [pool.submit(train, p, settings, data, line) for line, p in enumerate(prepared)]
+    return [future.result() for future in futures]
+
+
+def train(
+  prepared: Prepared, settings: Settings, data: dict[str, jax.Array], line: int = 0
+) -> Result:
   """Trains a compiled row (see :func:`compile_all`) and evaluates it.
 
   Args:
     prepared: the row, compiled; its params and state are consumed.
     settings: the run's settings.
     data: ``"train"`` (device uint8 corpus) and ``"valid"`` (windows, int32).
+    line: the row's progress bar's line on the terminal.
 
   Returns:
     The row's :class:`Result`.
@@ -440,7 +446,9 @@ def train(prepared: Prepared, settings: Settings, data: dict[str, jax.Array]) ->
 
   traces = []
   width = max(map(len, MODES))
-  bar = tqdm(total=steps, desc=f"{row.name:<{width}}", unit="step", leave=True, file=sys.stderr)
+  bar = tqdm(
+    total=steps, desc=f"{row.name:<{width}}", unit="step", position=line, leave=True, file=sys.stderr
+  )
 
   def collect(trace):
     trace = jax.tree.map(np.asarray, trace)
@@ -552,33 +560,6 @@ def table_lines(results: list[Result]) -> list[str]:
   ]
 
 
-def differences(result: Result, reference: Result) -> list[str]:
-  """What is not bitwise identical between two runs: per-step losses, final
-  params (dtype, shape and every bit), validation loss. Empty if nothing."""
-  found = []
-  losses, ref_losses = result.losses, reference.losses
-  if losses.dtype != ref_losses.dtype or losses.shape != ref_losses.shape:
-    found.append("training losses (not the same steps)")
-  elif losses.tobytes() != ref_losses.tobytes():
-    step = np.flatnonzero(losses.view(np.uint8) != ref_losses.view(np.uint8))[0] // losses.itemsize
-    found.append(f"training losses (first at step {step + 1})")
-  leaves, treedef = jax.tree.flatten(result.params)
-  ref_leaves, ref_treedef = jax.tree.flatten(reference.params)
-  if treedef != ref_treedef:
-    found.append("param tree structure")
-  else:
-    differ = sum(
-      a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes()
-      for a, b in zip(leaves, ref_leaves, strict=True)
-    )
-    if differ:
-      found.append(f"final params ({differ} of {len(leaves)} leaves)")
-  # Python floats from the same float32 compare exactly; NaN never equals.
-  if result.val_loss != reference.val_loss:
-    found.append(f"validation loss ({result.val_loss!r} vs {reference.val_loss!r})")
-  return found
-
-
 def check(
   results: list[Result],
   tolerance: float | None = None,
@@ -587,9 +568,8 @@ def check(
 ) -> tuple[bool, list[str]]:
   """An OK or FAIL line per claim its row makes (see :class:`Row`), and whether all hold.
 
-  A row with ``same_as`` must be bitwise identical to that row, at any size.
   With ``gaps`` (not for the smoke size, too small to mean anything), a row
-  with a ``tolerance`` must also end within it of the first row's (FP32's)
+  with a ``tolerance`` must end within it of the first row's (FP32's)
   validation loss, and a row with ``worse_by`` more than that above it.
 
   Args:
@@ -601,21 +581,8 @@ def check(
   Returns:
     ``(all hold, lines)``.
   """
-  by_mode = {r.mode: r for r in results}
   rows = [ROW_BY_NAME[r.mode] for r in results]
   ok, lines = True, []
-  for r, row in zip(results, rows, strict=True):
-    if row.same_as is None:
-      continue
-    found = differences(r, by_mode[row.same_as])
-    ok &= not found
-    if found:
-      lines.append(f"FAIL: {r.mode} differs from {row.same_as}: {'; '.join(found)}")
-    else:
-      lines.append(
-        f"OK: {r.mode} is bitwise identical to {row.same_as} (losses at all "
-        f"{r.losses.size} steps, final params, validation loss)"
-      )
   if not gaps:
     return ok, lines
   reference = results[0]
@@ -666,10 +633,8 @@ def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
   for i, r in enumerate(results):
     steps, loss = smooth(r.losses, window)
     label = f"{r.mode} (val {r.val_loss:.3f})"
-    # Dashed: a row that must equal another lies exactly on its curve. FP32,
-    # the reference the others nearly cover, is drawn black and on top.
-    same = ROW_BY_NAME[r.mode].same_as is not None
-    style = dict(color=f"C{i}", lw=1.2, ls="--" if same else "-")
+    # FP32, the reference the others nearly cover, is drawn black and on top.
+    style = dict(color=f"C{i}", lw=1.2, ls="-")
     if i == 0:
       style = dict(color="k", lw=1.6, ls=":", zorder=10)
     ax_loss.plot(steps, loss, label=label, **style)
@@ -764,9 +729,15 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
   )
   parser.add_argument("--no-check", action="store_true", help="report only; always exit 0")
   parser.add_argument(
+    "--jobs",
+    type=int,
+    default=os.cpu_count() or 1,
+    help="rows trained side by side (the CPU's cores; 1: one after another)",
+  )
+  parser.add_argument(
     "--rows",
-    help="train only these rows, comma-separated names (fp32, the reference, always; a row "
-    "that must equal another brings that one along): for cheaper experiments",
+    help="train only these rows, comma-separated names (fp32, the reference, always): for "
+    "cheaper experiments",
   )
   parser.add_argument(
     "--json",
@@ -782,7 +753,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     unknown = names - set(MODES)
     if unknown:
       parser.error(f"--rows: unknown {sorted(unknown)}; the rows are {', '.join(MODES)}")
-    names |= {ROWS[0].name, *(ROW_BY_NAME[n].same_as for n in names if ROW_BY_NAME[n].same_as)}
+    names.add(ROWS[0].name)
     args.rows = [row for row in ROWS if row.name in names]
   preset = SMOKE if args.smoke else DEFAULT
   for name, value in preset.items():
@@ -872,7 +843,7 @@ def run(settings: Settings, args: argparse.Namespace) -> Run:
   prepared = [prepare(row, settings, data, fp32_params) for row in rows]
   print(f"compiling the {len(prepared)} rows' training steps...", file=sys.stderr)
   compile_seconds = compile_all(prepared)
-  results = [train(p, settings, data) for p in prepared]
+  results = train_all(prepared, settings, data, args.jobs)
   ok, checks = True, []
   if not args.no_check:
     ok, checks = check(results, args.tolerance, args.min_gap, gaps=not args.smoke)
@@ -957,7 +928,6 @@ def write_json(
         gap=relative_gap(r, reference),
         tolerance=row.tolerance,
         worse_by=row.worse_by,
-        same_as=row.same_as,
         state_bytes_per_param=r.state_bytes_per_param,
         skipped_steps=r.skipped_steps,
         tokens_per_s=r.tokens_per_s,

@@ -54,7 +54,6 @@ def bounds_summary(tolerance: float | None = None, min_gap: float | None = None)
   if gaps:
     gaps[0] = gaps[0].replace(" at most ", " end at most ", 1) + " above FP32's validation loss"
   claims = [
-    *(f"`{r.name}` is bitwise `{r.same_as}`" for r in demo.ROWS if r.same_as),
     ", ".join(gaps),
     *(f"{_names(names)} more than {bound:.1%} above it" for bound, names in worse.items()),
   ]
