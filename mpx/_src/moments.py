@@ -214,7 +214,7 @@ class FourBitCompressed:
     return codes_4bit.maxima(value, self.sign)
 
   def decompress_once(self, stored: codes_4bit.FourBitMoment) -> jax.Array:
-    return codes_4bit.decode(stored)
+    return codes_4bit.decode_by_table(stored)
 
   def compress_against(
     self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array
