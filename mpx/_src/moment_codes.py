@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import rounding
+from mpx._src import compat, rounding
 from mpx._src.states import Nonnegative8bitMoment, Signed8bitMoment
 
 # A moment's sign: "signed" (a first moment, any sign) or "nonnegative" (a
@@ -366,7 +366,7 @@ def decode_by_table(stored: EightBitMoment) -> jax.Array:
   if scales.shape != (*codes.shape[:-1], blocks):
     raise ValueError(f"scales of shape {scales.shape} do not match codes of shape {codes.shape}")
   k = codes.astype(jnp.int32)
-  level = jnp.take(jnp.asarray(level_table(sign)), k, mode="clip")
+  level = compat.lookup(level_table(sign), k)
   value = jax.lax.mul(level, _expand(scales, codes.shape))
   magnitude = k
   if sign == "nonnegative":

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import rounding
+from mpx._src import compat, rounding
 from mpx._src.states import Nonnegative4bitMoment, Signed4bitMoment
 
 Sign = Literal["signed", "nonnegative"]
@@ -598,7 +598,7 @@ def decode_by_table(stored: FourBitMoment) -> jax.Array:
     table = np.concatenate([code.levels, -code.levels]).astype(np.float32)
   else:
     table = code.levels.astype(np.float32)
-  value = jax.lax.mul(jnp.take(jnp.asarray(table), k, mode="clip"), scale)
+  value = jax.lax.mul(compat.lookup(table, k), scale)
   if code.signed:
     return value
   bits = jax.lax.max(_int32_bits(value), np.int32(_TINY.view(np.int32)))

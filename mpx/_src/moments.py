@@ -327,7 +327,9 @@ class MomentsFormat:
     flat, treedef = jax.tree.flatten(new_inner)
     kinds = self.kinds(new_inner)
     stored = [
-      k.compress(v, applied_steps) if s is None else k.compress_against(v, applied_steps, s)  # type: ignore[attr-defined]
+      k.compress_against(v, applied_steps, s)
+      if isinstance(k, BLOCK_SCALED) and s is not None
+      else k.compress(v, applied_steps)
       for k, v, s in zip(kinds, flat, scales, strict=True)
     ]
     return jax.tree.unflatten(treedef, stored)
