@@ -502,8 +502,8 @@ maxima and the codes); the one-GPU table's floors count so.
 *conditionals*: the most in any size's step. The goal
 (`tests/test_gpu_compile.py`, expected to fail where it does not hold):
 at most the two-pass floor + 1 B/param moved, at most 0.1 B/param of
-scratch, at every size. docs/design.md, "Why 8-bit moments miss the floor on
-the GPU", explains the 8-bit rows.
+scratch, at every size. docs/design.md, "Compressed moments at the byte
+floor", explains the 8- and 4-bit rows.
 
 {sweep}
 """

@@ -558,3 +558,67 @@ def test_8bit_adam_moments_track_float32_with_no_drift():
     median = np.median(err, axis=1)
     assert np.all(median < typical)
     assert median[-1] < 1.05 * median[-2]
+
+
+# --- The two-pass coder's parts: maxima, encode(scales=), decode_by_table -----
+
+
+@pytest.mark.parametrize("sign", SIGNS)
+@pytest.mark.parametrize("shape", [(6, 4096), (3, 50257), (5, 300), (4, 16)])
+def test_coding_against_the_maxima_is_bitwise_the_one_pass_code(sign, shape):
+  # Every layout: blocks that tile the row, a short last block, one block a row.
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-20, 3, (shape[0], 1))
+  x[0, :5] = 0.0
+  x = jnp.asarray(np.abs(x) if sign == "nonnegative" else x, jnp.float32)
+  one_pass = mc.encode(x, sign, KEY, jnp.int32(3), stochastic=True)
+  scales = mc.maxima(x, sign)
+  two_pass = mc.encode(x, sign, KEY, jnp.int32(3), stochastic=True, scales=scales)
+  for a, b in zip(one_pass, two_pass, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  decoded = np.asarray(mc.decode(one_pass))
+  by_table = np.asarray(mc.decode_by_table(one_pass))
+  np.testing.assert_array_equal(by_table.view(np.uint32), decoded.view(np.uint32))
+
+
+@pytest.mark.parametrize("sign", SIGNS)
+def test_every_code_decodes_by_table_as_by_arithmetic(sign):
+  codes = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8), (3, 4)))  # (3, 1024)
+  # A normal scale, one whose products are subnormal, and zero.
+  scales = jnp.asarray(np.array([[3.5], [1e-37], [0.0]], np.float32) * np.ones((1, 4)))
+  stored = mc.STORED_TYPES[sign](codes, scales)
+  decoded = np.asarray(mc.decode(stored))
+  by_table = np.asarray(mc.decode_by_table(stored))
+  np.testing.assert_array_equal(by_table.view(np.uint32), decoded.view(np.uint32))
+  # The table is the levels the docs promise, signed or not.
+  table = mc.level_table(sign)
+  positive = reference_levels(sign).astype(np.float32)
+  if sign == "signed":
+    np.testing.assert_array_equal(table[1:128], positive)
+    np.testing.assert_array_equal(table[129:], -positive)
+  else:
+    np.testing.assert_array_equal(table[1:], positive)
+
+
+@pytest.mark.parametrize("sign", SIGNS)
+def test_an_element_above_its_given_scale_codes_to_the_top_level_never_past_it(sign):
+  # Scales an ulp to a half below the block maxima, as a first pass that
+  # computed the moment to other last bits would hand them over.
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(np.abs(rng.standard_normal((4, 1024))) + 0.5, jnp.float32)
+  if sign == "signed":
+    x = x * jnp.asarray(np.where(rng.random((4, 1024)) < 0.5, -1.0, 1.0), jnp.float32)
+  exact = np.asarray(mc.maxima(x, sign))
+  for below in (np.nextafter(exact, np.float32(0)), exact * np.float32(0.5)):
+    stored = mc.encode(x, sign, KEY, jnp.int32(1), stochastic=True, scales=jnp.asarray(below))
+    decoded = np.asarray(mc.decode(stored))
+    size, _ = mc.block_layout(x.shape)
+    bound = np.repeat(below, size, axis=-1)
+    assert (np.abs(decoded) <= bound).all()
+    above = np.abs(np.asarray(x)) > bound
+    assert above.any()
+    # Clamped to the top level with the value's own sign: the scale itself.
+    np.testing.assert_array_equal(np.abs(decoded)[above], bound[above])
+    np.testing.assert_array_equal(np.sign(decoded)[above], np.sign(np.asarray(x))[above])
+  with pytest.raises(ValueError, match="scales of shape"):
+    mc.encode(x, sign, KEY, jnp.int32(1), stochastic=True, scales=jnp.ones((4, 3)))

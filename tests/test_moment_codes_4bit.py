@@ -496,3 +496,22 @@ def test_the_error_benchmark_ranks_the_formats_as_the_docs_say(tmp_path):
   assert direction["mpx 8bit (stochastic)"] < direction["mpx 8bit mu + 4bit nu"]
   assert direction["mpx 8bit mu + 4bit nu"] < direction["mpx 4bit, both stochastic"]
   assert all(int(row["zeros sum"]) == 0 for row in rows.values())
+
+
+@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("shape", [(3, 1024), (3, 1026), (3, 301), (2, 6)], ids=str)
+def test_decode_by_table_is_bitwise_decode(sign, shape):
+  # Every code in words and in bytes, an odd row (decoded by decode itself),
+  # normal, subnormal-product and zero scales.
+  rng = np.random.default_rng(12)
+  stored_like = m4.stored_shapes(shape, sign)
+  codes = rng.integers(0, 256, stored_like.codes.shape).astype(np.uint8)
+  codes[0, : min(128, codes.shape[-1])] = np.arange(min(128, codes.shape[-1]))
+  scales = np.float32(3.5) * rng.random(stored_like.scales.shape).astype(np.float32)
+  scales[1] = np.float32(1e-37)
+  scales[-1, 0] = 0.0
+  stored = m4.STORED_TYPES[sign](jnp.asarray(codes), jnp.asarray(scales))
+  decoded = np.asarray(m4.decode(stored))
+  np.testing.assert_array_equal(
+    np.asarray(m4.decode_by_table(stored)).view(np.uint32), decoded.view(np.uint32)
+  )

@@ -21,6 +21,7 @@ from mpx._src import (
   adapters,
   compat,
   full_precision,
+  lowering,
   state_search,
   storage,
   validation,
@@ -131,18 +132,33 @@ def mixed_precision(
     #    (at trace time; what init would build for these params is the reference).
     validation.check_mixed_precision_inputs(updates, state, params, unscaling is None, init_like)
     leaves = _Leaves.align(mode, dtype, updates, params, getattr(state, mode.stored_field))
-    # 2. The verdict, on each gradient as the inner rule will receive it.
-    finite = verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling)
+    stored = _Stored(leaves.stored, state.inner_state)
+    # 2. The verdict, on each gradient as the inner rule will receive it; with
+    #    8- or 4-bit moments, on accelerators, read with their block maxima.
+    scales = None
+    if moments_format.block_scaled:
+      finite, scales = lowering.by_platform(
+        cpu=lambda: (
+          verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling),
+          moments_format.stored_scales(state.inner_state),  # unread: shapes
+        ),
+        accelerator=lambda: _first_pass(
+          inner, moments_format, stored, leaves, unscaling, state.applied_steps, extra_args
+        ),
+      )
+    else:
+      finite = verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling)
     # 3. The step on the masters; on a skipped step nothing is written.
     step = functools.partial(_step_on_masters, inner, moments_format)
     new, handoffs, applied = verdict.run_if_finite(
       finite,
       step,
-      _Stored(leaves.stored, state.inner_state),
+      stored,
       dataclasses.replace(leaves, stored=[]),  # the step gets them as its state
       unscaling,
       state.applied_steps,
       extra_args,
+      scales,
     )
     # 4. After the skip: the param updates (they fuse into optax.apply_updates).
     param_updates = [
@@ -185,11 +201,16 @@ def _step_on_masters(
   unscaling: verdict.Unscaling | None,
   applied_steps: jax.Array,
   extra_args: dict[str, Any],
+  scales: list[jax.Array | None] | None,
+  first_pass: bool = False,
 ) -> tuple[_Stored, list[Any]]:
   """Runs the inner rule on the master view and commits each leaf.
 
   Returns ``(new stored, handoffs)``: what the state stores next, and what
-  each leaf's ``param_update`` reads after the skip.
+  each leaf's ``param_update`` reads after the skip. ``scales``: what the
+  accelerator's program codes 8- and 4-bit moments against
+  (:func:`_first_pass`), or None. ``first_pass``: the inner state is
+  returned as the inner rule made it, for its block maxima alone.
   """
   received = [
     verdict.received(g, d, unscaling)
@@ -199,7 +220,9 @@ def _step_on_masters(
     k.view(s, p) for k, s, p in zip(leaves.kinds, stored.per_param, leaves.params, strict=True)
   ]
   inner_state = stored.inner
-  if moments_format.compresses:
+  if first_pass:
+    inner_state = moments_format.decompressed_once(inner_state)
+  elif moments_format.compresses:
     inner_state = moments_lib.decompressed(inner_state)
   # optax.lbfgs's grad= is received as the gradients are.
   received_extra = {
@@ -230,9 +253,73 @@ def _step_on_masters(
   ]
   new_stored = [c.stored for c in committed]
   handoffs = [c.handoff for c in committed]
-  if moments_format.compresses:
-    new_inner = moments_format.compress(new_inner, applied_steps, new_stored + handoffs)
+  if moments_format.compresses and not first_pass:
+    new_inner = moments_format.compress(new_inner, applied_steps, new_stored + handoffs, scales)
   return _Stored(new_stored, new_inner), handoffs
+
+
+def _first_pass(
+  inner: optax.GradientTransformationExtraArgs,
+  moments_format: moments_lib.MomentsFormat,
+  stored: _Stored,
+  leaves: _Leaves,
+  unscaling: verdict.Unscaling | None,
+  applied_steps: jax.Array,
+  extra_args: dict[str, Any],
+) -> tuple[jax.Array, list[jax.Array | None]]:
+  """Returns the step's verdict and the new 8- and 4-bit moments' block
+  maxima: the accelerator's first pass, whose maxima the step
+  (:func:`_step_on_masters`) codes the moments it computes again against.
+
+  The step runs here on its inputs behind ``lax.optimization_barrier``, which
+  XLA does not look through, so that it cannot merge this computation of the
+  new moments with the step's (CSE would: one new moment read by the maxima,
+  the update and the coder is what XLA:GPU writes out in float32); only the
+  maxima are kept, the rest is dead code. Each gradient read with moments
+  (``MomentsFormat.first_pass``) is checked in their reduction, as the inner
+  rule receives it (the verdict's rule, ``verdict.gradients_finite``); the
+  others by ``gradients_finite``; the two agreed across the axis at once.
+  docs/design.md, "Compressed moments at the byte floor".
+  """
+  flat, treedef = jax.tree.flatten((stored, leaves))
+  arrays = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
+  barred = jax.lax.optimization_barrier([flat[i] for i in arrays])
+  for i, x in zip(arrays, barred, strict=True):
+    flat[i] = x
+  stored_once, leaves_once = jax.tree.unflatten(treedef, flat)
+  new, _ = _step_on_masters(
+    inner,
+    moments_format,
+    stored_once,
+    leaves_once,
+    unscaling,
+    applied_steps,
+    extra_args,
+    None,
+    first_pass=True,
+  )
+  received = [
+    verdict.received(g, d, unscaling)
+    for g, d in zip(leaves_once.grads, leaves.received_dtypes, strict=True)
+  ]
+  paths = jax.tree_util.tree_flatten_with_path(
+    leaves.grad_treedef.unflatten(list(range(len(received))))
+  )[0]
+  by_path = {
+    jax.tree_util.keystr(path): received[index]
+    for path, index in paths
+    if tree_lib.is_floating(received[index])
+  }
+  scales, read_finite, read = moments_format.first_pass(new.inner, by_path)
+  others = [jax.tree_util.keystr(path) not in read for path, _ in paths]
+  axis_name = None if unscaling is None else unscaling.axis_name
+  alone = None if unscaling is None else dataclasses.replace(unscaling, axis_name=None)
+  rest_finite = verdict.gradients_finite(
+    [g for g, other in zip(leaves.grads, others, strict=True) if other],
+    [d for d, other in zip(leaves.received_dtypes, others, strict=True) if other],
+    alone,
+  )
+  return verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name), scales
 
 
 class _Stored(NamedTuple):

@@ -1,7 +1,9 @@
 """The moment codes: bfloat16, and 8 bits per element with a float32 scale per block.
 
 Pure lax functions: :func:`encode` and :func:`decode` for the 8-bit code of each
-sign, :func:`encode_bfloat16` and :func:`decode_bfloat16`; docs/moment_codes.md explains them.
+sign (with :func:`maxima` and ``encode(..., scales=)``, and :func:`decode_by_table`,
+for a two-pass coder), :func:`encode_bfloat16` and :func:`decode_bfloat16`;
+docs/moment_codes.md explains them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import rounding
+from mpx._src import compat, rounding
 from mpx._src.states import Nonnegative8bitMoment, Signed8bitMoment
 
 # A moment's sign: "signed" (a first moment, any sign) or "nonnegative" (a
@@ -158,6 +160,7 @@ def encode(
   key: jax.Array,
   step: jax.Array,
   stochastic: bool,
+  scales: jax.Array | None = None,
 ) -> EightBitMoment:
   """Codes ``x`` (float32) in 8 bits per element and a float32 scale per block.
 
@@ -170,14 +173,32 @@ def encode(
       every time the leaf is encoded anew (mpx passes the count of applied
       steps).
     stochastic: round up or down at random (unbiased) instead of to nearest.
+    scales: optional, float32 ``(*shape[:-1], n_blocks)``, the scales to code
+      against, as :func:`maxima` returns them (a first pass); by default
+      ``maxima(x, sign)``. An element larger than its block's scale codes to
+      the top level: it decodes to the scale.
 
   Returns:
     A ``Signed8bitMoment`` or ``Nonnegative8bitMoment`` (``STORED_TYPES[sign]``);
     :func:`decode` turns it back into float32.
   """
   _check_sign(sign)
-  codes, scales = _encode(CODES[sign], x, _salted(key, sign), step, stochastic)
+  if scales is not None:
+    x = jnp.asarray(x, jnp.float32)
+    expected = (*x.shape[:-1], block_layout(x.shape)[1]) if x.ndim else (1,)
+    scales = jnp.asarray(scales, jnp.float32)
+    if scales.shape != expected:
+      raise ValueError(f"scales of shape {scales.shape}, expected {expected}")
+  codes, scales = _encode(CODES[sign], x, _salted(key, sign), step, stochastic, scales)
   return STORED_TYPES[sign](codes, scales)
+
+
+def maxima(x: jax.Array, sign: Sign) -> jax.Array:
+  """Returns the scales :func:`encode` computes for ``x`` (each block's largest
+  magnitude, signed; its largest value, at least 0, nonnegative), as its
+  ``scales=`` argument takes them."""
+  _check_sign(sign)
+  return _block_scales(_rows(jnp.asarray(x, jnp.float32)), CODES[sign].signed)
 
 
 def decode(stored: EightBitMoment) -> jax.Array:
@@ -214,13 +235,19 @@ def _block_scales(blocked: jax.Array, signed: bool) -> jax.Array:
 
 
 def _encode(
-  code: _Code, x: jax.Array, key: jax.Array, step: jax.Array, stochastic: bool
+  code: _Code,
+  x: jax.Array,
+  key: jax.Array,
+  step: jax.Array,
+  stochastic: bool,
+  given: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(codes, scales)`` of ``x`` in ``code``, with an already salted ``key``."""
+  """Returns ``(codes, scales)`` of ``x`` in ``code``, with an already salted
+  ``key``, against the ``given`` scales (None: ``x``'s block maxima)."""
   x = jnp.asarray(x, jnp.float32)
   shape = x.shape
   zero = np.float32(0)
-  scales = _block_scales(_rows(x), code.signed)
+  scales = _block_scales(_rows(x), code.signed) if given is None else given
   if code.signed:
     magnitude = jax.lax.abs(x)
   else:
@@ -229,6 +256,11 @@ def _encode(
   # A true division: the block's largest element becomes exactly 1.0.
   safe = jax.lax.select(scales > zero, scales, jnp.ones_like(scales))
   a = jax.lax.div(magnitude, _expand(safe, shape))
+  if given is not None:
+    # Scales from another computation of ``x`` (a first pass, which XLA may
+    # contract ``a * b + c`` in differently) may sit an ulp below an element:
+    # its ratio, above 1, would code past the top level into the sign bit.
+    a = jax.lax.min(a, np.float32(1))
   bits = _int32_bits(a)
   layout = code.layout()
   bounds = [low for low, _, _ in layout[:-1]]
@@ -295,6 +327,52 @@ def _decode(code: _Code, codes: jax.Array, scales: jax.Array) -> jax.Array:
   if not code.signed:
     # A product below float32's normals would flush to zero: keep it positive.
     value = jax.lax.max(value, jnp.full_like(value, _TINY))
+  return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
+
+
+def level_table(sign: Sign) -> np.ndarray:
+  """Returns the float32 level of each of the 256 codes of ``sign`` at scale 1
+  (the sign bit applied): what :func:`decode` computes, as a table."""
+  _check_sign(sign)
+  code = CODES[sign]
+  k = np.arange(256, dtype=np.int64)
+  magnitude = k & 127 if code.signed else k
+  layout = code.layout()
+  bounds = [c for _, c, _ in layout[:-1]]
+  region = np.zeros_like(magnitude)
+  for bound in bounds:
+    region += magnitude < bound
+  offset = np.array([low - (c << sh) for low, c, sh in layout])[region]
+  shift = np.array([sh for _, _, sh in layout])[region]
+  bits = (offset + (magnitude << shift)) & 0xFFFFFFFF
+  if code.signed:
+    bits |= (k >> 7) << 31
+  levels = bits.astype(np.uint32).view(np.float32)
+  return np.where(magnitude == 0, np.float32(0), levels).astype(np.float32)
+
+
+def decode_by_table(stored: EightBitMoment) -> jax.Array:
+  """Returns :func:`decode`'s values, bitwise, by a lookup in :func:`level_table`.
+
+  A gather that XLA:GPU fuses as a cheap producer, where the arithmetic
+  decode's shifts and selects tip its cost model into writing a new moment
+  computed from it out in float32 (docs/design.md); its gather keeps XLA
+  from writing codes in place, so it serves a pass that writes no codes.
+  """
+  sign = sign_of(stored)
+  codes = jnp.asarray(stored.codes)
+  scales = jnp.asarray(stored.scales)
+  _, blocks = block_layout(codes.shape)
+  if scales.shape != (*codes.shape[:-1], blocks):
+    raise ValueError(f"scales of shape {scales.shape} do not match codes of shape {codes.shape}")
+  k = codes.astype(jnp.int32)
+  level = compat.lookup(level_table(sign), k)
+  value = jax.lax.mul(level, _expand(scales, codes.shape))
+  magnitude = k
+  if sign == "nonnegative":
+    value = jax.lax.max(value, jnp.full_like(value, _TINY))
+  else:
+    magnitude = jax.lax.bitwise_and(k, np.int32(127))
   return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import rounding
+from mpx._src import compat, rounding
 from mpx._src.states import Nonnegative4bitMoment, Signed4bitMoment
 
 Sign = Literal["signed", "nonnegative"]
@@ -573,6 +573,37 @@ def decode(stored: FourBitMoment) -> jax.Array:
   """Returns the float32 leaf that ``stored`` codes, in the shape that was
   encoded: each level times its scale, in the code its type names."""
   return _decode(CODES[sign_of(stored)], stored)
+
+
+def decode_by_table(stored: FourBitMoment) -> jax.Array:
+  """Returns :func:`decode`'s values, bitwise, each code's level looked up in a
+  table of 16 (an odd last axis: :func:`decode` itself).
+
+  A gather that XLA:GPU fuses as a cheap producer into a reduction over the
+  moment computed from it, where the selects of :func:`decode`'s signed levels
+  tip its cost model into writing that moment out in float32; its gather
+  keeps XLA from writing codes in place, so it serves a pass that writes no
+  codes (docs/design.md, "Compressed moments at the byte floor").
+  """
+  code = CODES[sign_of(stored)]
+  codes = jnp.asarray(stored.codes)
+  scales = jnp.asarray(stored.scales, jnp.float32)
+  layout = _Layout.of_codes(codes.shape, scales.shape)
+  if layout.tail or not layout.body:
+    return _decode(code, stored)
+  k = _unpack(codes, layout.per)
+  scale = layout.wide(scales[..., : layout.blocks])
+  if code.signed:
+    # Index = the code: its low 3 bits the magnitude, the 4th the sign.
+    table = np.concatenate([code.levels, -code.levels]).astype(np.float32)
+  else:
+    table = code.levels.astype(np.float32)
+  value = jax.lax.mul(compat.lookup(table, k), scale)
+  if code.signed:
+    return value
+  bits = jax.lax.max(_int32_bits(value), np.int32(_TINY.view(np.int32)))
+  value = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  return jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
 
 
 def _decode(code: _Code, stored: FourBitMoment) -> jax.Array:
