@@ -85,7 +85,10 @@ def test_each_dtype_takes_its_form_on_a_single_cpu_device():
   assert "reduce_sum" not in jaxpr(jnp.ones(big, jnp.float16))
 
 
+# A figure of XLA's cost model as the newest jax compiles it: a release's
+# check, for -m slow.
 @jax_versions.requires_jax("0.10.2", "older XLA:CPU's figure: docs/design.md")
+@pytest.mark.slow
 @pytest.mark.xla_cost
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_single_cpu_check_needs_almost_no_scratch(dtype):
@@ -94,7 +97,8 @@ def test_the_single_cpu_check_needs_almost_no_scratch(dtype):
   assert compiled.memory_analysis().temp_size_in_bytes <= 0.1 * n
 
 
-@settings(max_examples=60, deadline=None)
+# 30 examples: each compiles the check for its leaf's size in both forms.
+@settings(max_examples=30, deadline=None)
 @given(
   dtype=st.sampled_from(DTYPES),
   size=st.integers(1, 3000),
