@@ -14,10 +14,12 @@ from mpx._src.loss_scale import (
   unscale,
 )
 from mpx._src.mixed_precision import inner_state, master_params, mixed_precision
+from mpx._src.precision_check import MasterPrecisionError, check_master_precision
 from mpx._src.sharding import zero1_shardings
 from mpx._src.states import (
   Bfloat16Moment,
   LossScaleState,
+  MixedPrecision24bitState,
   MixedPrecisionRemainderState,
   MixedPrecisionState,
   MixedPrecisionStochasticState,
@@ -36,6 +38,8 @@ __version__ = "0.1.0"
 __all__ = [
   "Bfloat16Moment",
   "LossScaleState",
+  "MasterPrecisionError",
+  "MixedPrecision24bitState",
   "MixedPrecisionRemainderState",
   "MixedPrecisionState",
   "MixedPrecisionStochasticState",
@@ -46,6 +50,7 @@ __all__ = [
   "adjust",
   "all_finite",
   "cast_tree",
+  "check_master_precision",
   "get_loss_scale",
   "init_from_full_precision",
   "inner_state",

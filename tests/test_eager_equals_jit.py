@@ -13,19 +13,20 @@ from treecheck import tree_equal, without_skip_counts
 
 import mpx
 
-MASTERS = ("full", "remainder", "stochastic")
+MASTERS = ("full", "remainder", "24bit", "stochastic")
 MOMENTS = ("full", "bfloat16", "8bit")
 MODES = list(itertools.product(MASTERS, MOMENTS))
 UNIT = 2.0**-24
 
 
 def _exponent_gap_step(masters: str, jit: bool) -> tuple[float, float]:
-  """One SGD(1.0) step from a master just below 1 (param 1.0) to ``-3 * 2**-24``:
-  the float32 update ``-(1 + 3 * 2**-24)`` rounds, so the param lands on
-  ``-4 * 2**-24`` (docs/concepts_masters.md, "The exponent-gap corner")."""
+  """One SGD(1.0) step from a master just below 1 (param 1.0; ``1 - 2**-16``, which
+  24 bits hold too) to ``-3 * 2**-24``: the float32 update ``-(1 + 3 * 2**-24)``
+  rounds, so the param lands on ``-4 * 2**-24`` (docs/concepts_masters.md, "The
+  exponent-gap corner")."""
   tx = mpx.mixed_precision(optax.sgd(1.0), masters=masters)
-  params, state = mpx.init_from_full_precision(tx, {"w": jnp.array([1 - 2**-20])}, jnp.bfloat16)
-  grads = {"w": jnp.array([1 - 2**-20 + 3 * UNIT])}
+  params, state = mpx.init_from_full_precision(tx, {"w": jnp.array([1 - 2**-16])}, jnp.bfloat16)
+  grads = {"w": jnp.array([1 - 2**-16 + 3 * UNIT])}
   update = jax.jit(tx.update) if jit else tx.update
   updates, state = update(grads, state, params)
   params = optax.apply_updates(params, updates)
@@ -33,7 +34,7 @@ def _exponent_gap_step(masters: str, jit: bool) -> tuple[float, float]:
   return float(params["w"][0]) / UNIT, float(master) / UNIT
 
 
-@pytest.mark.parametrize("masters", ["full", "remainder"])
+@pytest.mark.parametrize("masters", ["full", "remainder", "24bit"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_the_exponent_gap_corner_lands_param_and_master_together(masters, jit):
   # Hand-computed: 1 + (-(1 + 2**-22)) = -2**-22, and the master moves there.

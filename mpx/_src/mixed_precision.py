@@ -56,8 +56,10 @@ def mixed_precision(
     inner: the optax rule to run in high precision, e.g. ``optax.adamw(3e-4)``.
     dtype: the floating dtype of the masters and of the inner rule.
     masters: ``"full"`` (a ``dtype`` copy), or for bfloat16 params under
-      float32 masters ``"remainder"`` (its low 16 bits) or ``"stochastic"``
-      (no master; stochastic rounding).
+      float32 masters ``"remainder"`` (its low 16 bits), ``"24bit"`` (its
+      top 8 of those: a 24-bit master rounded to nearest, see
+      :func:`mpx.check_master_precision`) or ``"stochastic"`` (no master;
+      stochastic rounding).
     moments: ``"full"``, ``"bfloat16"``, ``"8bit"`` or ``"4bit"``: how the
       inner state's leaves under ``moment_fields`` of at least 4096 elements
       are stored; or a mapping of field names to those formats, e.g.
@@ -117,7 +119,7 @@ def mixed_precision(
     applied_steps, nonfinite_steps = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     if moments_format.compresses:
       inner_state = moments_format.compress(inner_state, applied_steps)
-    state = mode.state_type(treedef.unflatten(stored), applied_steps, nonfinite_steps, inner_state)
+    state = mode.state(treedef.unflatten(stored), applied_steps, nonfinite_steps, inner_state)
     compressed_as = moments_format.name if moments_format.compresses else "full"
     return variables.fit_variables(state, compressed_as, linen_boxes=True)
 
@@ -135,12 +137,13 @@ def mixed_precision(
     stored = _Stored(leaves.stored, state.inner_state)
     # 2. The verdict, on each gradient as the inner rule will receive it; with
     #    8- or 4-bit moments, on accelerators, read with their block maxima.
-    scales = None
+    scales = first_stalled = None
     if moments_format.block_scaled:
-      finite, scales = lowering.by_platform(
+      finite, scales, first_stalled = lowering.by_platform(
         cpu=lambda: (
           verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling),
           moments_format.stored_scales(state.inner_state),  # unread: shapes
+          jnp.zeros((), bool),  # unread
         ),
         accelerator=lambda: _first_pass(
           inner, moments_format, stored, leaves, unscaling, state.applied_steps, extra_args
@@ -167,11 +170,12 @@ def mixed_precision(
         leaves.kinds, new.per_param, handoffs, leaves.params, strict=True
       )
     ]
-    new_state = mode.state_type(
+    new_state = mode.state(
       leaves.treedef.unflatten(new.per_param),
       state.applied_steps + applied.astype(jnp.int32),
       state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32),
       new.inner,
+      _stalled_steps(state, handoffs, first_stalled, applied),
     )
     return leaves.treedef.unflatten(param_updates), new_state, applied
 
@@ -188,7 +192,7 @@ def mixed_precision(
       inner_like = moments_format.stored_like(inner_like)
     stored_like = [k.stored_like(p) for k, p in zip(kinds, flat, strict=True)]
     counter = jax.ShapeDtypeStruct((), jnp.int32)
-    return mode.state_type(treedef.unflatten(stored_like), counter, counter, inner_like)
+    return mode.state(treedef.unflatten(stored_like), counter, counter, inner_like, counter)
 
   return verdict.TakesLossScaledGradients(init_fn, adapters.through_linen_boxes(update_fn))
 
@@ -254,8 +258,32 @@ def _step_on_masters(
   new_stored = [c.stored for c in committed]
   handoffs = [c.handoff for c in committed]
   if moments_format.compresses and not first_pass:
-    new_inner = moments_format.compress(new_inner, applied_steps, new_stored + handoffs, scales)
+    others = jax.tree.leaves([new_stored, handoffs])
+    new_inner = moments_format.compress(new_inner, applied_steps, others, scales)
   return _Stored(new_stored, new_inner), handoffs
+
+
+def _stalled_steps(
+  state: Any, handoffs: list[Any], first_stalled: jax.Array | None, applied: jax.Array
+) -> jax.Array | None:
+  """Returns ``state``'s ``stalled_steps`` plus one if a 24-bit master's leaf
+  stalled on this applied step; None for a mode that does not count them.
+  ``first_stalled``: the same flag from the accelerator's first pass (None
+  without one), which the step's own (zero on a skipped step) stands for on
+  XLA:CPU."""
+  if not hasattr(state, "stalled_steps"):
+    return None
+  stalled = _any_stalled(handoffs)
+  if first_stalled is not None:
+    stalled = lowering.by_platform(
+      cpu=lambda: stalled, accelerator=lambda: jnp.logical_and(first_stalled, applied)
+    )
+  return state.stalled_steps + stalled.astype(jnp.int32)
+
+
+def _any_stalled(handoffs: list[Any]) -> jax.Array:
+  flags = [h.stalled for h in handoffs if isinstance(h, storage.Landed24bit)]
+  return functools.reduce(jnp.logical_or, flags, jnp.zeros((), bool))
 
 
 def _first_pass(
@@ -266,9 +294,9 @@ def _first_pass(
   unscaling: verdict.Unscaling | None,
   applied_steps: jax.Array,
   extra_args: dict[str, Any],
-) -> tuple[jax.Array, list[jax.Array | None]]:
-  """Returns the step's verdict and the new 8- and 4-bit moments' block
-  maxima: the accelerator's first pass, whose maxima the step
+) -> tuple[jax.Array, list[jax.Array | None], jax.Array]:
+  """Returns the step's verdict, the new 8- and 4-bit moments' block maxima and
+  whether a 24-bit master's leaf stalled: the accelerator's first pass, whose maxima the step
   (:func:`_step_on_masters`) codes the moments it computes again against.
 
   The step runs here on its inputs behind ``lax.optimization_barrier``, which
@@ -287,7 +315,7 @@ def _first_pass(
   for i, x in zip(arrays, barred, strict=True):
     flat[i] = x
   stored_once, leaves_once = jax.tree.unflatten(treedef, flat)
-  new, _ = _step_on_masters(
+  new, handoffs = _step_on_masters(
     inner,
     moments_format,
     stored_once,
@@ -319,7 +347,13 @@ def _first_pass(
     [d for d, other in zip(leaves.received_dtypes, others, strict=True) if other],
     alone,
   )
-  return verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name), scales
+  # The 24-bit masters' stall check (a sample of each leaf's update) is read
+  # here too, and tied to the maxima that the step waits for: read after the
+  # step, it would read params the step overwrites in place (XLA copies them).
+  stalled = _any_stalled(handoffs)
+  if any(isinstance(h, storage.Landed24bit) for h in handoffs):
+    scales, stalled = jax.lax.optimization_barrier((scales, stalled))
+  return verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name), scales, stalled
 
 
 class _Stored(NamedTuple):

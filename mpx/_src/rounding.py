@@ -1,7 +1,8 @@
 """Bit operations that turn a float32 master into a bfloat16 param and back.
 
-Ties-away rounding, ``split``/``join`` with an int16 remainder, saturation and
-stochastic rounding; docs/concepts_masters.md says why each is so.
+Ties-away rounding, ``split``/``join`` with an int16 remainder (or an int8
+one, for a 24-bit master), saturation and stochastic rounding;
+docs/concepts_masters.md says why each is so.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import numpy as np
 U32 = jnp.uint32
 # The largest float32 whose nearest bfloat16 (ties away) is finite, 0x7f7f7fff.
 _LIMIT = np.array(0x7F7F7FFF, np.uint32).view(np.float32)
+# The largest 24-bit master (a float32 with its low 8 bits zero) below _LIMIT.
+_LIMIT_24 = np.array(0x7F7F7F00, np.uint32).view(np.float32)
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -82,6 +85,50 @@ def wraps(param: jax.Array, remainder: jax.Array) -> jax.Array:
   magnitude = jax.lax.bitwise_and(_bf16_bits(param), np.uint32(0x7FFF))
   is_zero = jax.lax.eq(magnitude, np.uint32(0))
   return jax.lax.bitwise_and(is_zero, jax.lax.lt(remainder, jnp.zeros_like(remainder)))
+
+
+def round_to_24bit(master: jax.Array) -> jax.Array:
+  """Rounds a float32 ``master`` to the nearest 24-bit master (ties away): a
+  float32 whose low 8 bits are zero, saturating where its bfloat16 rounding
+  would not be finite."""
+  bits = _bits(jax.lax.clamp(-_LIMIT_24, master, _LIMIT_24))
+  return _float(jax.lax.bitwise_and(jax.lax.add(bits, np.uint32(0x80)), np.uint32(0xFFFFFF00)))
+
+
+def correction(master: jax.Array) -> jax.Array:
+  """Returns the int8 that ``join_24bit`` adds back to the bfloat16 rounding (ties
+  away) of a 24-bit ``master`` (from ``round_to_24bit``): its remainder over 256."""
+  low = jax.lax.sub(_bits(master), _bits(round_ties_away_f32(master)))
+  remainder16 = jax.lax.bitcast_convert_type(low.astype(jnp.uint16), jnp.int16)
+  return jax.lax.shift_right_arithmetic(remainder16, np.int16(8)).astype(jnp.int8)
+
+
+def nearest_correction(master: jax.Array) -> jax.Array:
+  """Returns the int8 correction of the 24-bit master nearest to a canonical
+  float32 ``master`` among those whose bfloat16 rounding is ``master``'s own
+  (``round_to_24bit`` first can cross a tie and change that rounding)."""
+  remainder16 = remainder(master).astype(jnp.int32)
+  nearest = jax.lax.shift_right_arithmetic(jax.lax.add(remainder16, np.int32(0x80)), np.int32(8))
+  return jax.lax.clamp(np.int32(-128), nearest, np.int32(127)).astype(jnp.int8)
+
+
+def join_24bit(param: jax.Array, correction: jax.Array) -> jax.Array:
+  """Joins a bfloat16 ``param`` and its int8 ``correction`` into the float32
+  master ``(param_bits << 16) + (correction << 8)``. A zero param with a
+  negative correction (see ``wraps``) joins as zero."""
+  low = jax.lax.select(wraps(param, correction), jnp.zeros_like(correction), correction)
+  shifted = jax.lax.shift_left(low.astype(jnp.int32), np.int32(8))
+  return _float(jax.lax.add(_shift_left(_bf16_bits(param), 16), shifted.astype(U32)))
+
+
+def spacing_24bit(magnitude: jax.Array) -> jax.Array:
+  """Returns the distance between neighbouring 24-bit masters at a float32
+  ``magnitude`` (``2**(exponent - 15)``), zero where that is below float32's
+  normal range."""
+  exponent = jax.lax.shift_right_logical(_bits(magnitude), np.uint32(23))
+  exponent = jax.lax.bitwise_and(exponent, np.uint32(0xFF)).astype(jnp.int32)
+  spacing = jax.lax.max(jax.lax.sub(exponent, np.int32(15)), np.int32(0))
+  return _float(jax.lax.shift_left(spacing, np.int32(23)).astype(U32))
 
 
 def landing(param: jax.Array, target: jax.Array) -> jax.Array:

@@ -74,9 +74,37 @@ class MixedPrecisionStochasticState(NamedTuple):
   inner_state: optax.OptState
 
 
+class MixedPrecision24bitState(NamedTuple):
+  """State of :func:`mpx.mixed_precision` with ``masters="24bit"``.
+
+  Attributes:
+    master_corrections: the parameter tree with, at every bfloat16 leaf, the
+      int8 that completes it to its 24-bit master (a float32 with 15 bits of
+      mantissa: ``join_24bit(param, correction)`` in
+      :mod:`mpx._src.rounding`), and ``optax.MaskedNode()`` at every other
+      leaf. Use :func:`mpx.master_params` for the masters.
+    applied_steps: as in :class:`MixedPrecisionState`.
+    nonfinite_steps: as in :class:`MixedPrecisionState`.
+    stalled_steps: int32, the number of applied steps on which, at some leaf,
+      the largest update was below the spacing of 24-bit masters at the
+      leaf's largest master (both over the leaf's first 4096 elements): a
+      learning rate too small for the largest weights, whose updates then
+      round away or double.
+      :func:`mpx.check_master_precision` raises on it.
+    inner_state: the wrapped rule's state, built on the float32 master view.
+  """
+
+  master_corrections: optax.Params
+  applied_steps: jax.Array
+  nonfinite_steps: jax.Array
+  stalled_steps: jax.Array
+  inner_state: optax.OptState
+
+
 MIXED_PRECISION_STATES = (
   MixedPrecisionState,
   MixedPrecisionRemainderState,
+  MixedPrecision24bitState,
   MixedPrecisionStochasticState,
 )
 

@@ -19,6 +19,7 @@ import optax
 from mpx._src import rounding
 from mpx._src import tree as tree_lib
 from mpx._src.states import (
+  MixedPrecision24bitState,
   MixedPrecisionRemainderState,
   MixedPrecisionState,
   MixedPrecisionStochasticState,
@@ -237,6 +238,81 @@ class Remainder:
     return jnp.where(wraps, jnp.zeros_like(stored), stored)
 
 
+# How many elements of a leaf (its first, in row-major order: a matrix's first
+# rows, across every column) the stall check of ``Master24bit`` reads.
+STALL_SAMPLE = 4096
+
+
+def _largest(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """Returns the largest magnitude among the first ``STALL_SAMPLE`` elements of
+  each array, in one variadic reduction (which XLA:GPU fuses with the slice)."""
+  samples = [jnp.abs(jnp.ravel(x)[:STALL_SAMPLE]).astype(jnp.float32) for x in arrays]
+
+  def larger(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
+
+  zeros = tuple(np.float32(0) for _ in samples)
+  return tuple(jax.lax.reduce(tuple(samples), zeros, larger, (0,)))
+
+
+class Landed24bit(NamedTuple):
+  """What ``Master24bit.commit`` hands ``param_update``: the new 24-bit master, and
+  whether the update was too small for the leaf's largest masters (see
+  ``Master24bit``)."""
+
+  master: jax.Array
+  stalled: jax.Array  # bool scalar
+
+
+@dataclasses.dataclass(frozen=True)
+class Master24bit:
+  """The top 8 bits of a bfloat16 param's remainder (an int8): a 24-bit master
+  (float32 with its low 8 bits zero, 15 bits of mantissa), to which each step's
+  float32 result is rounded to nearest, ties away.
+
+  An update smaller than half the spacing of 24-bit values is lost, so
+  ``commit`` also reports whether the leaf's largest update falls below the
+  spacing at its largest master: a learning rate too small for the largest
+  weights (the state's ``stalled_steps``).
+  """
+
+  master_dtype: Any = _FLOAT32
+
+  def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
+    del index, seed
+    master = rounding.canonical(jnp.asarray(sources(param)).astype(jnp.float32))
+    return rounding.nearest_correction(master)
+
+  def stored_like(self, param: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(param), jnp.int8)
+
+  def view(self, stored: jax.Array, param: Any) -> jax.Array:
+    return rounding.join_24bit(jnp.asarray(param), stored)
+
+  def commit(self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any) -> Committed:
+    del stored, step
+    new = _land(rounding.round_to_24bit(_add(master, update, jnp.float32)), param)
+    # Sampled, so the check reads no whole leaf: a full reduction of the
+    # update would make XLA:GPU write the step's outputs twice (a copy).
+    largest_update, largest_master = _largest(update, master)
+    spacing = rounding.spacing_24bit(largest_master)
+    stalled = jnp.logical_and(largest_update > 0, largest_update < spacing)
+    return Committed(rounding.correction(new), Landed24bit(new, stalled))
+
+  def param_update(
+    self, stored: Any, handoff: Landed24bit, param: Any, applied: jax.Array
+  ) -> jax.Array:
+    del stored
+    target = rounding.round_ties_away_f32(handoff.master)
+    return _delta(target, jnp.asarray(param), jnp.float32, applied)
+
+  def sync(self, stored: jax.Array, param: Any) -> jax.Array:
+    """Restarts the corrections an edit broke: a param set to zero under a
+    negative correction; any other edit the master follows."""
+    wraps = rounding.wraps(jnp.asarray(param), stored)
+    return jnp.where(wraps, jnp.zeros_like(stored), stored)
+
+
 @dataclasses.dataclass(frozen=True)
 class Stochastic:
   """No master: the bfloat16 param is updated in float32 and rounded up or
@@ -319,8 +395,15 @@ class Mode:
     """Returns the param-shaped tree of what ``state`` stores per leaf."""
     return getattr(state, self.stored_field)
 
-  def state(self, stored: Any, applied: Any, nonfinite: Any, inner_state: Any) -> Any:
-    return self.state_type(stored, applied, nonfinite, inner_state)
+  def state(
+    self, stored: Any, applied: Any, nonfinite: Any, inner_state: Any, stalled: Any = None
+  ) -> Any:
+    """Returns the mode's state; ``stalled`` (the ``stalled_steps`` count, zero
+    if None) only where the mode counts them."""
+    if "stalled_steps" not in getattr(self.state_type, "_fields", ()):
+      return self.state_type(stored, applied, nonfinite, inner_state)
+    stalled = jnp.zeros((), jnp.int32) if stalled is None else stalled
+    return self.state_type(stored, applied, nonfinite, stalled, inner_state)
 
   def map_stored(self, fn: Callable[[StorageKind, Any, Any], Any], state: Any, params: Any) -> Any:
     """Returns the tree of ``fn(kind, stored, param)`` over ``state``'s leaves
@@ -338,6 +421,7 @@ MODES = {
   "remainder": Mode(
     "remainder", MixedPrecisionRemainderState, "master_remainders", Remainder(), False
   ),
+  "24bit": Mode("24bit", MixedPrecision24bitState, "master_corrections", Master24bit(), False),
   "stochastic": Mode(
     "stochastic", MixedPrecisionStochasticState, "rounding_keys", Stochastic(), False
   ),

@@ -1,0 +1,65 @@
+"""``check_master_precision``: an error where 24-bit masters stopped carrying the updates."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+
+from mpx._src import state_search
+from mpx._src.states import MixedPrecision24bitState
+
+
+class MasterPrecisionError(RuntimeError):
+  """The updates of a ``masters="24bit"`` run fell below the precision of its
+  largest masters (:func:`mpx.check_master_precision`)."""
+
+
+def check_master_precision(opt_state: optax.OptState) -> None:
+  """Raises if a ``masters="24bit"`` state counted a step too small for its masters.
+
+  A 24-bit master keeps 15 bits of mantissa, so an update below half the
+  spacing of 24-bit values at a weight is lost, and one below the spacing is
+  rounded to a step of twice its size or to none. Each step counts, in the
+  state's ``stalled_steps``, whether at some leaf the largest update was
+  below the spacing at that leaf's largest master (both over the leaf's
+  first 4096 elements, so that no whole leaf is read): the learning rate can no
+  longer move the largest weights (the check FlashOptim makes of its
+  24-bit masters, here made of the updates themselves, inside the jitted
+  step). Counting costs no host sync; this check reads the count, so call it
+  where the loop syncs anyway (at logging). States of other modes are not
+  checked: their masters are float32.
+
+  Args:
+    opt_state: an optimizer state; its :class:`~mpx.MixedPrecision24bitState`
+      states are found at any depth (``loss_scale``, chain, ``MultiSteps``,
+      partitions).
+
+  Raises:
+    MasterPrecisionError: if any of them counted a stalled step, with the count
+      and the fixes.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> params = {"w": jnp.full(3, 256.0, jnp.bfloat16)}  # spacing 2**-7 at 256
+    >>> tx = mpx.mixed_precision(optax.sgd(1e-3), masters="24bit")
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
+    >>> int(state.stalled_steps)
+    1
+    >>> mpx.check_master_precision(state)
+    Traceback (most recent call last):
+    ...
+    mpx._src.precision_check.MasterPrecisionError: 1 of 1 applied steps ...
+  """
+  for state in state_search.find_states(opt_state, MixedPrecision24bitState):
+    stalled = int(np.asarray(getattr(state.stalled_steps, "value", state.stalled_steps)))
+    if stalled:
+      applied = int(np.asarray(getattr(state.applied_steps, "value", state.applied_steps)))
+      raise MasterPrecisionError(
+        f"{stalled} of {applied} applied steps of a mixed_precision(masters='24bit') "
+        "state had a leaf whose largest update was below the spacing of 24-bit masters "
+        "at its largest weight (2**-15 of it): those updates were rounded away or "
+        "doubled. Raise the learning rate, keep the leaves with large weights under "
+        "masters='remainder' (exact float32 masters, 1 byte more per param; e.g. with "
+        "optax.partition), or switch the run with mpx.switch_masters."
+      )

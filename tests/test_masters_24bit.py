@@ -1,0 +1,165 @@
+"""``masters="24bit"``: a bfloat16 param and an int8 correction, checked against
+float32 arithmetic done here in numpy, and the check that refuses a step too
+small for the masters."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpx
+from mpx._src import rounding
+
+
+def np_round_to_24bit(x: np.ndarray) -> np.ndarray:
+  """Nearest float32 with its low 8 bits zero, ties away from zero (numpy, by hand)."""
+  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  return ((bits + 0x80) & 0xFFFFFF00).astype(np.uint32).view(np.float32)
+
+
+def np_round_ties_away_bf16(x: np.ndarray) -> np.ndarray:
+  """The bfloat16 rounding (ties away) of float32 ``x``, as float32."""
+  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  return ((bits + 0x8000) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+def bits(x) -> np.ndarray:
+  return np.asarray(x, np.float32).view(np.uint32)
+
+
+def test_24bit_rounding_split_and_join_by_hand():
+  rng = np.random.default_rng(0)
+  x = (rng.normal(size=4096) * np.exp2(rng.integers(-60, 60, 4096))).astype(np.float32)
+  master = rounding.round_to_24bit(jnp.asarray(x))
+  assert np.array_equal(bits(master), bits(np_round_to_24bit(x)))
+  param = rounding.round_ties_away(master)
+  correction = rounding.correction(master)
+  assert correction.dtype == jnp.int8
+  joined = rounding.join_24bit(param, correction)
+  assert np.array_equal(bits(joined), bits(master))  # exact: nothing lost but the low 8 bits
+  assert np.array_equal(bits(param.astype(jnp.float32)), bits(np_round_ties_away_bf16(master)))
+  # A tie at 24 bits rounds away from zero: 1 + 2**-16 + 2**-24 sits halfway.
+  tie = np.float32(1 + 2.0**-16 + 2.0**-24)
+  assert float(rounding.round_to_24bit(jnp.float32(tie))) == 1 + 2.0**-15
+  assert float(rounding.round_to_24bit(jnp.float32(-tie))) == -(1 + 2.0**-15)
+
+
+def test_24bit_rounding_saturates_where_the_param_would_overflow():
+  huge = jnp.asarray([3e38, -np.inf, np.inf, np.float32(np.finfo(np.float32).max)], jnp.float32)
+  master = rounding.round_to_24bit(rounding.canonical(huge))
+  param = rounding.round_ties_away(master)
+  assert np.isfinite(np.asarray(param, np.float32)).all()
+  assert (bits(master) & 0xFF == 0).all()
+
+
+def test_nearest_correction_keeps_the_param_when_24_bits_cross_a_tie():
+  # Low 16 bits 0x7FF0: the bfloat16 rounding goes down, but rounding to 24 bits
+  # first would carry into the tie and round up; the correction clamps at 127.
+  x = np.array([0x3F807FF0], np.uint32).view(np.float32)
+  param = rounding.round_ties_away(jnp.asarray(x))
+  correction = rounding.nearest_correction(jnp.asarray(x))
+  assert int(correction[0]) == 127
+  joined = rounding.join_24bit(param, correction)
+  assert bits(joined)[0] == 0x3F807F00
+  assert bits(rounding.round_ties_away_f32(joined))[0] == bits(param.astype(jnp.float32))[0]
+
+
+def test_spacing_of_24bit_masters():
+  values = jnp.asarray([1.0, 1.5, 256.0, 2.0**-100, 2.0**-120, 0.0], jnp.float32)
+  expected = [2.0**-15, 2.0**-15, 2.0**-7, 2.0**-115, 0.0, 0.0]
+  assert np.asarray(rounding.spacing_24bit(values)).tolist() == expected
+
+
+def test_sgd_steps_round_the_float32_master_to_24_bits():
+  """Each step: the float32 SGD update of the joined master, rounded to 24 bits by
+  hand, and the param its bfloat16 rounding."""
+  rng = np.random.default_rng(1)
+  params = {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.bfloat16)}
+  lr = 2.0**-10  # a power of two: the update is exact, fused into an FMA or not
+  tx = mpx.mixed_precision(optax.sgd(lr), masters="24bit")
+  state = tx.init(params)
+  assert state.master_corrections["w"].dtype == jnp.int8
+  step = jax.jit(tx.update)
+  master = np.asarray(params["w"], np.float32)
+  for t in range(20):
+    g = jnp.asarray(rng.normal(size=(64, 64)), jnp.bfloat16)
+    updates, state = step({"w": g}, state, params)
+    params = optax.apply_updates(params, updates)
+    update = (np.float32(-lr) * np.asarray(g, np.float32)).astype(np.float32)
+    master = np_round_to_24bit((master + update).astype(np.float32))
+    got = mpx.master_params(state, params)["w"]
+    assert np.array_equal(bits(got), bits(master)), t
+    assert np.array_equal(bits(params["w"].astype(jnp.float32)), bits(np_round_ties_away_bf16(got)))
+  assert int(state.stalled_steps) == 0
+
+
+def test_adamw_24bit_stays_within_a_24bit_step_of_float32_adamw():
+  """Against plain float32 optax from the same master each step: at most one 24-bit
+  spacing apart (half is the rounding, the rest float32's own), and with 4-bit
+  moments the state is 2.06 B/param."""
+  rng = np.random.default_rng(2)
+  params = {"w": jnp.asarray(0.1 * rng.normal(size=(128, 256)), jnp.bfloat16)}
+  tx = mpx.mixed_precision(optax.adamw(1e-3), masters="24bit")
+  state, step = tx.init(params), jax.jit(tx.update)
+  reference = optax.adamw(1e-3)
+  for _ in range(10):
+    g = {"w": jnp.asarray(rng.normal(size=(128, 256)), jnp.bfloat16)}
+    master = mpx.master_params(state, params)
+    want, _ = reference.update(
+      jax.tree.map(lambda x: x.astype(jnp.float32), g), state.inner_state, master
+    )
+    updates, state = step(g, state, params)
+    params = optax.apply_updates(params, updates)
+    expected = np.asarray(master["w"]) + np.asarray(want["w"])
+    got = np.asarray(mpx.master_params(state, params)["w"])
+    # Rounding error, and float32's in the update: a 24-bit spacing at the master or
+    # at the result, whichever is larger (where the update cancels the master).
+    larger = np.maximum(np.abs(expected), np.abs(np.asarray(master["w"])))
+    assert (np.abs(got - expected) <= np.asarray(rounding.spacing_24bit(jnp.asarray(larger)))).all()
+  tx = mpx.mixed_precision(optax.adamw(1e-3), masters="24bit", moments="4bit")
+  big = {"w": jnp.zeros((1024, 1024), jnp.bfloat16)}
+  stored = jax.eval_shape(tx.init, big)
+  per_param = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(stored)) / big["w"].size
+  assert 2.06 <= per_param < 2.07
+
+
+def test_a_learning_rate_too_small_for_the_largest_weights_is_counted_and_refused():
+  params = {"small": jnp.full(8, 0.01, jnp.bfloat16), "large": jnp.full(8, 300.0, jnp.bfloat16)}
+  grads = {"small": jnp.ones(8, jnp.bfloat16), "large": jnp.ones(8, jnp.bfloat16)}
+  # SGD(1e-3) moves 0.01 (spacing 2**-22) but not 300 (spacing 2**-7 = 0.0078).
+  tx = mpx.loss_scale(mpx.mixed_precision(optax.sgd(1e-3), masters="24bit"), init_scale=1.0)
+  state, step = tx.init(params), jax.jit(tx.update)
+  for g in (grads, {**grads, "large": grads["large"].at[0].set(jnp.inf)}, grads):
+    updates, state = step(g, state, params)
+    params = optax.apply_updates(params, updates)
+  inner = state.inner_state
+  assert (int(inner.applied_steps), int(inner.stalled_steps)) == (2, 2)  # the skip not counted
+  assert float(params["large"][0]) == 300.0  # the updates were lost
+  with pytest.raises(mpx.MasterPrecisionError, match=r"2 of 2 applied steps .* Raise the learning"):
+    mpx.check_master_precision(state)
+  # A rate that moves the largest weights: nothing counted, the check passes.
+  tx = mpx.mixed_precision(optax.sgd(0.05), masters="24bit")
+  state = tx.init(params)
+  _, state = tx.update(grads, state, params)
+  assert int(state.stalled_steps) == 0
+  mpx.check_master_precision(state)
+  mpx.check_master_precision(mpx.mixed_precision(optax.sgd(1e-9)).init(params))  # not 24-bit
+
+
+def test_switch_full_to_24bit_keeps_the_nearest_master_and_sync_restarts_a_zeroed_param():
+  tx_full = mpx.mixed_precision(optax.sgd(1.0))
+  full = {"w": jnp.asarray([1 + 2.0**-10 + 2.0**-20, -2.5 - 2.0**-12, 0.3], jnp.float32)}
+  params, state = mpx.init_from_full_precision(tx_full, full, jnp.bfloat16)
+  tx = mpx.mixed_precision(optax.sgd(1.0), masters="24bit")
+  state = mpx.switch_masters(tx, state, params)
+  assert type(state).__name__ == "MixedPrecision24bitState"
+  got = mpx.master_params(state, params)["w"]
+  assert np.array_equal(bits(got), bits(np_round_to_24bit(np.asarray(full["w"]))))
+  # A param zeroed outside the optimizer under a negative correction restarts at 0.
+  negative = {"w": jnp.asarray([1 - 2.0**-10], jnp.float32)}
+  params, state = mpx.init_from_full_precision(tx, negative, jnp.bfloat16)
+  assert int(state.master_corrections["w"][0]) < 0
+  zeroed = {"w": jnp.zeros(1, jnp.bfloat16)}
+  synced = mpx.sync_masters(state, zeroed)
+  assert float(mpx.master_params(synced, zeroed)["w"][0]) == 0.0
