@@ -52,7 +52,7 @@ FLOORS = {
   "mpx loss_scale(adamw), float32 params": 32,
 }
 # What a master stores per param (read and written once a step), by masters=.
-MASTER_BYTES = {"full": 4.0, "remainder": 2.0, "stochastic": 0.0}
+MASTER_BYTES = {"full": 4.0, "remainder": 2.0, "24bit": 1.0, "stochastic": 0.0}
 # What a moment stores per element, by format, on a last axis of 4096: 8bit a
 # code and a float32 scale per block of 256, 4bit half a byte and a float32
 # scale per block of 128.
@@ -72,7 +72,7 @@ def floor_bytes(masters: str, moments: str | dict[str, str], two_pass: bool = Fa
 
   The gradients read twice (the verdict, the update: 2 x 2), the params read
   and written (2 x 2), the master read and written (full 8, remainder 4,
-  stochastic 0) and each moment read and written at its stored bytes (8bit
+  24bit 2, stochastic 0) and each moment read and written at its stored bytes (8bit
   2 x (1 + 4/256), 4bit 2 x (0.5 + 4/128)). ``two_pass``: each compressed
   moment read once more, as a compress that takes its block maxima first (a
   pass over the new moment, made from the old) must; FLOORS counts so (the
@@ -250,6 +250,30 @@ def type_bytes(text: str) -> int:
   )
 
 
+def type_elements(text: str) -> int:
+  """Counts the elements of the largest array an HLO type names."""
+  found = _ARRAY.findall(text)
+  sizes = [np.prod([int(n) for n in dims.split(",") if n] or [1]) for _, dims in found]
+  return int(max(sizes, default=0))
+
+
+def _element_bytes(text: str) -> int:
+  found = _ARRAY.findall(text)
+  return _BYTES[found[0][0]] if found else 0
+
+
+def _reads_a_slice(computations: dict, rest: str) -> bool:
+  """Tells whether a fusion is a loop fusion that slices and computes each output
+  element from one element of each operand (``mpx``'s sampled checks: a row of
+  a leaf's update); a gather from a code table reads one entry per element."""
+  called = re.search(r"kind=kLoop, calls=%?([\w.-]+)", rest)
+  if not called:
+    return False
+  ops = {op for _, _, op, _ in computations.get(called.group(1), [])}
+  many = {"reduce", "reduce-window", "scatter", "dot", "convolution", "sort"}
+  return "slice" in ops and not ops & many
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
   conditionals: int
@@ -282,7 +306,16 @@ def profile(compiled: Any) -> Profile:
         continue
       kernels += 1
       operands = re.findall(r"%([\w.-]+)", rest.split("),")[0])
-      moved = type_bytes(result) + sum(type_bytes(types.get(o, "")) for o in operands)
+      read = [type_bytes(types.get(o, "")) for o in operands]
+      if _reads_a_slice(computations, rest):
+        # A loop fusion of elementwise ops and slices computes only its output's
+        # elements, so it reads at most as many of each operand.
+        elements = max(type_elements(result), 1)
+        read = [
+          min(b, elements * _element_bytes(types.get(o, "")))
+          for b, o in zip(read, operands, strict=True)
+        ]
+      moved = type_bytes(result) + sum(read)
       total += moved
       if op in ("copy", "copy-start"):
         copies += 1
@@ -335,7 +368,7 @@ SWEEP_ROWS = {"64K": 16, "512K": 128, "1M": 256, "4M": 1024, "16M": 4096, "64M":
 # Compiling allocates no buffers: a 64M leaf compiles as fast as a 64K one
 # (2 to 4 s a step on 2 cores), so the sweep takes every size by default.
 SWEEP_SIZES = tuple(SWEEP_ROWS)
-SWEEP_MASTERS = ("full", "remainder", "stochastic")
+SWEEP_MASTERS = ("full", "remainder", "24bit", "stochastic")
 SWEEP_MOMENTS: tuple[str | dict[str, str], ...] = (
   "full",
   "8bit",

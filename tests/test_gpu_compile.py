@@ -149,9 +149,18 @@ FOUR_BIT_SWEEP_WHY = (
 )
 
 
+TWENTY_FOUR_BIT_SWEEP_WHY = (
+  "24-bit masters: the stall check's sample (the first 4096 elements of the update and of "
+  "the masters) is written out before its reduction, 32 KB a leaf: 0.5 B/param of scratch "
+  "and 1.8 B/param moved at 64K, under 0.1 from 512K on"
+)
+
+
 def sweep_why(name: str) -> str | None:
   """Says why a sweep row misses the issue's goal, or None where it should meet it."""
-  return FOUR_BIT_SWEEP_WHY if "4bit" in name else None
+  if "4bit" in name:
+    return FOUR_BIT_SWEEP_WHY
+  return TWENTY_FOUR_BIT_SWEEP_WHY if "24bit" in name else None
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +191,7 @@ def test_sweep_floors_are_computed_as_documented(swept):
   # Gradients read twice, params read and written (2 B each), the master read
   # and written, each moment read and written at its stored bytes.
   eight, four = 1 + 4 / 256, 0.5 + 4 / 128
-  base = {"full": 4 + 4 + 8, "remainder": 4 + 4 + 4, "stochastic": 4 + 4 + 0}
+  base = {"full": 4 + 4 + 8, "remainder": 4 + 4 + 4, "24bit": 4 + 4 + 2, "stochastic": 4 + 4 + 0}
   stored = {"full": (4, 4), "8bit": (eight, eight), "4bit": (four, four)}
   for masters, fixed in base.items():
     for moments, (mu, nu) in [*stored.items(), ({"mu": "8bit", "nu": "4bit"}, (eight, four))]:
