@@ -25,41 +25,23 @@ import optax
 import mpx
 
 WIDTH = 4096
-# (name, param dtype, transformation factory, B/param the step must move at least)
+
+
+def _mpx(masters: str = "full", moments: str = "full") -> Callable[[], Any]:
+  return lambda: mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments)
+
+
+# (name, param dtype, transformation factory), in the table's order.
 VARIANTS: list[tuple[str, Any, Callable[[], optax.GradientTransformation]]] = [
   ("optax adamw, float32 params", jnp.float32, lambda: optax.adamw(1e-3)),
   ("optax adamw, bfloat16 params", jnp.bfloat16, lambda: optax.adamw(1e-3)),
-  ("mpx full", jnp.bfloat16, lambda: mpx.mixed_precision(optax.adamw(1e-3))),
-  (
-    "mpx remainder",
-    jnp.bfloat16,
-    lambda: mpx.mixed_precision(optax.adamw(1e-3), masters="remainder"),
-  ),
-  (
-    "mpx remainder + 8bit",
-    jnp.bfloat16,
-    lambda: mpx.mixed_precision(optax.adamw(1e-3), masters="remainder", moments="8bit"),
-  ),
-  (
-    "mpx remainder + 4bit",
-    jnp.bfloat16,
-    lambda: mpx.mixed_precision(optax.adamw(1e-3), masters="remainder", moments="4bit"),
-  ),
-  (
-    "mpx 24bit + 8bit",
-    jnp.bfloat16,
-    lambda: mpx.mixed_precision(optax.adamw(1e-3), masters="24bit", moments="8bit"),
-  ),
-  (
-    "mpx 24bit + 4bit",
-    jnp.bfloat16,
-    lambda: mpx.mixed_precision(optax.adamw(1e-3), masters="24bit", moments="4bit"),
-  ),
-  (
-    "mpx stochastic + 4bit",
-    jnp.bfloat16,
-    lambda: mpx.mixed_precision(optax.adamw(1e-3), masters="stochastic", moments="4bit"),
-  ),
+  ("mpx full", jnp.bfloat16, _mpx()),
+  ("mpx remainder", jnp.bfloat16, _mpx("remainder")),
+  ("mpx remainder + 8bit", jnp.bfloat16, _mpx("remainder", "8bit")),
+  ("mpx remainder + 4bit", jnp.bfloat16, _mpx("remainder", "4bit")),
+  ("mpx 24bit + 8bit", jnp.bfloat16, _mpx("24bit", "8bit")),
+  ("mpx 24bit + 4bit", jnp.bfloat16, _mpx("24bit", "4bit")),
+  ("mpx stochastic + 4bit", jnp.bfloat16, _mpx("stochastic", "4bit")),
 ]
 
 

@@ -477,3 +477,17 @@ def test_moments_report(moments_smoke):
     for moments in MOMENT_FORMATS:
       assert f"| mpx masters {masters}, moments {moments} |" in markdown
   assert "<= 1.3x" in markdown and "<= 1.1x" in markdown  # the speed goals beside the ratios
+
+
+def test_gpu_step_time_checks_and_times_every_variant_on_any_device(capsys):
+  """The script run on the H100 (docs/benchmarks_gpu_timed.md): its device checks
+  pass here too, and every variant gets a timed row."""
+  from benchmarks import gpu_step_time
+
+  checks = gpu_step_time.check_bits(16, 2)
+  assert len(checks) == 4
+  assert all(": True" in line and "False" not in line for line in checks), checks
+  gpu_step_time.main(["--rows", "2", "--steps", "1"])
+  table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+  assert len(table) == 2 + len(gpu_step_time.VARIANTS)
+  assert not [line for line in table if "failed" in line]
