@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mpx._src import lowering, states
 from mpx._src import moment_codes_4bit as m4
-from mpx._src import states
 
 KEY = jnp.uint32(0x5EED1234)
 STEP = jnp.int32(11)
@@ -404,6 +404,19 @@ def test_stochastic_rounding_is_unbiased_and_deterministic(sign):
   other_key = encode(jnp.asarray(x), KEY + 1, STEP)
   assert np.any(np.asarray(first.codes) != np.asarray(other_step.codes))
   assert np.any(np.asarray(first.codes) != np.asarray(other_key.codes))
+
+
+def test_the_accelerator_program_codes_the_same_bytes_as_the_cpu_s():
+  # XLA:GPU's program packs a byte at a time, XLA:CPU's a uint32 word.
+  x = jnp.asarray(np.random.default_rng(11).normal(size=(4, 1024)), jnp.float32)
+  key, step = jnp.uint32(7), jnp.int32(3)
+  encode = jax.jit(functools.partial(m4.encode, stochastic=True), static_argnums=1)
+  cpu = encode(x, "signed", key, step)
+  with lowering.forced(lowering.ACCELERATOR):
+    gpu = jax.jit(functools.partial(m4.encode, stochastic=True), static_argnums=1)(
+      x, "signed", key, step
+    )
+  np.testing.assert_array_equal(np.asarray(cpu.codes), np.asarray(gpu.codes))
 
 
 def test_words_and_bytes_pack_the_same_bytes():
