@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import mpx
-from mpx._src import rounding
+from mpx._src import lowering, rounding
 
 
 def np_round_to_24bit(x: np.ndarray) -> np.ndarray:
@@ -163,3 +163,25 @@ def test_switch_full_to_24bit_keeps_the_nearest_master_and_sync_restarts_a_zeroe
   zeroed = {"w": jnp.zeros(1, jnp.bfloat16)}
   synced = mpx.sync_masters(state, zeroed)
   assert float(mpx.master_params(synced, zeroed)["w"][0]) == 0.0
+
+
+@pytest.mark.parametrize("form", [None, lowering.ACCELERATOR], ids=["cpu", "accelerator"])
+def test_the_stall_count_is_the_same_in_both_programs(form):
+  """With 8-bit moments the accelerator's program reads the stall check in its
+  first pass; it must count what the CPU's step counts (and skip no count)."""
+  rng = np.random.default_rng(3)
+  params = {
+    "large": jnp.asarray(300 + rng.normal(size=(8, 512)), jnp.bfloat16),
+    "small": jnp.asarray(0.01 * rng.normal(size=(8, 512)), jnp.bfloat16),
+  }
+  grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
+  tx = mpx.mixed_precision(optax.sgd(1e-3, momentum=0.9), masters="24bit", moments="8bit")
+  with lowering.forced(form):
+    state, step = tx.init(params), jax.jit(tx.update)
+    assert isinstance(state.inner_state[0].trace["large"], mpx.Signed8bitMoment)
+    _, state = step(grads, state, params)
+    _, state = step({**grads, "small": grads["small"].at[0, 0].set(jnp.nan)}, state, params)
+    bigger = jax.tree.map(lambda p: p * 0.001, params)  # 300 -> 0.3: moved again
+    _, state = step(grads, state, bigger)
+  assert (int(state.applied_steps), int(state.nonfinite_steps)) == (2, 1)
+  assert int(state.stalled_steps) == 1
