@@ -34,7 +34,7 @@ ROWS = {
   "bf16+mpx": ("bfloat16", 12.0),
   "bf16 stochastic": ("bfloat16", 8.0),
   "bf16 remainder + 8bit moments": ("bfloat16", 2.0 + EIGHT_BIT_MOMENTS),
-  "bf16 remainder + 4bit moments": ("bfloat16", 2.0 + FOUR_BIT_MOMENTS),
+  "bf16 24bit + 4bit moments": ("bfloat16", 1.0 + FOUR_BIT_MOMENTS),
   "bf16 stochastic + 4bit moments": ("bfloat16", FOUR_BIT_MOMENTS),
   "fp16+mpx+scale": ("float16", 12.0),
   "bf16 no masters": ("bfloat16", 4.0),
@@ -227,7 +227,7 @@ def test_check_passes_made_up_results_within_each_row_s_bound(demo):
       "fp16+mpx+scale": 0.99,  # better than FP32 is fine
       "bf16 stochastic": 1.019,
       "bf16 remainder + 8bit moments": 1.0099,
-      "bf16 remainder + 4bit moments": 1.0099,
+      "bf16 24bit + 4bit moments": 1.0099,
       "bf16 stochastic + 4bit moments": 1.019,
       "bf16 no masters": 1.021,
     },
@@ -237,7 +237,7 @@ def test_check_passes_made_up_results_within_each_row_s_bound(demo):
   out = "\n".join(lines)
   # One line per bounded row, one for no masters.
   assert "FAIL" not in out and out.count("OK:") == 7, out
-  for mode in ("bf16+mpx", "bf16 remainder + 8bit moments", "bf16 remainder + 4bit moments"):
+  for mode in ("bf16+mpx", "bf16 remainder + 8bit moments", "bf16 24bit + 4bit moments"):
     assert f"OK: {mode} validation loss +0.99% vs FP32 (must be at most 1.0% worse)" in out, out
   for mode in ("bf16 stochastic", "bf16 stochastic + 4bit moments"):
     assert f"OK: {mode} validation loss +1.90% vs FP32 (must be at most 2.0% worse)" in out, out
@@ -252,7 +252,7 @@ def test_check_fails_each_row_beyond_its_own_bound(demo):
       "fp16+mpx+scale": 1.0101,
       "bf16 stochastic": 1.021,
       "bf16 remainder + 8bit moments": 1.0101,
-      "bf16 remainder + 4bit moments": 1.0101,
+      "bf16 24bit + 4bit moments": 1.0101,
       "bf16 stochastic + 4bit moments": 1.021,
       "bf16 no masters": 1.019,
     },
@@ -263,7 +263,7 @@ def test_check_fails_each_row_beyond_its_own_bound(demo):
   one_percent = (
     "bf16+mpx",
     "bf16 remainder + 8bit moments",
-    "bf16 remainder + 4bit moments",
+    "bf16 24bit + 4bit moments",
     "fp16+mpx+scale",
   )
   for mode in one_percent:
@@ -293,7 +293,7 @@ def test_check_bounds_can_be_overridden(demo):
 
 # What the block must say every checked run guarantees, whatever the machine.
 BOUNDS = (
-  "`bf16+mpx`, `bf16 remainder + 8bit moments`, `bf16 remainder + 4bit moments` and "
+  "`bf16+mpx`, `bf16 remainder + 8bit moments`, `bf16 24bit + 4bit moments` and "
   "`fp16+mpx+scale` end at most 1.0% above FP32's validation loss, `bf16 stochastic` and "
   "`bf16 stochastic + 4bit moments` at most 2.0%; `bf16 no masters` more than 2.0% above it"
 )
@@ -338,7 +338,7 @@ def test_readme_block_states_the_bounds_the_run_checked(demo, readme_tool, tmp_p
   text = readme.read_text()
   assert (
     "`bf16+mpx`, `bf16 stochastic`, `bf16 remainder + 8bit moments`, "
-    "`bf16 remainder + 4bit moments`, `bf16 stochastic + 4bit moments` and `fp16+mpx+scale` "
+    "`bf16 24bit + 4bit moments`, `bf16 stochastic + 4bit moments` and `fp16+mpx+scale` "
     "end at most 5.0% above FP32's validation loss; `bf16 no masters` more than 3.0% above it"
   ) in text, text
 
@@ -360,10 +360,10 @@ def test_readme_tool_passes_the_demo_its_flags(readme_tool, monkeypatch):
 
 def test_rows_selects_rows_with_the_reference_in_the_table_s_order(demo, monkeypatch):
   monkeypatch.delenv("MPX_SMOKE", raising=False)
-  _, args = demo.parse_args(["--rows", "bf16 no masters, bf16 remainder + 4bit moments"])
+  _, args = demo.parse_args(["--rows", "bf16 no masters, bf16 24bit + 4bit moments"])
   assert [row.name for row in args.rows] == [
     "fp32",
-    "bf16 remainder + 4bit moments",
+    "bf16 24bit + 4bit moments",
     "bf16 no masters",
   ]
   assert [row.name for row in demo.parse_args([])[1].rows] == list(MODES)
