@@ -29,13 +29,13 @@ import mpx
 from mpx._src import compat
 
 BF16 = jnp.bfloat16
-MASTERS = ("full", "remainder", "stochastic")
+MASTERS = ("full", "remainder", "24bit", "stochastic")
 MOMENTS = ("full", "bfloat16", "8bit")
 STEPS = 3
 # One masters mode per moments format where a test covers the formats alone:
-# each masters mode once, each moments format once (8-bit twice: its codes and
+# each masters mode once, each moments format once (8-bit thrice: its codes and
 # block scales are the state that differs most from optax's).
-PAIRS = (("full", "bfloat16"), ("remainder", "8bit"), ("stochastic", "8bit"))
+PAIRS = (("full", "bfloat16"), ("remainder", "8bit"), ("24bit", "8bit"), ("stochastic", "8bit"))
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
@@ -178,7 +178,7 @@ def test_nnx_optimizer_on_flax_0_11_names_the_version_it_needs(monkeypatch):
 # Every masters x moments mode; the quick tier keeps remainder-8bit (masters
 # and 8-bit codes: the state nnx rewraps least like a plain tree); full
 # masters in nnx are test_flax's, stochastic masters and bfloat16 moments the
-# equinox, orbax and linen tests'. The slow tier runs the other eight.
+# equinox, orbax and linen tests'. The slow tier runs the other eleven.
 NNX_QUICK = (("remainder", "8bit"),)
 
 
