@@ -175,7 +175,10 @@ def mixed_precision(
       state.applied_steps + applied.astype(jnp.int32),
       state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32),
       new.inner,
-      _stalled_steps(state, handoffs, first_stalled, applied),
+      # Only the 24-bit mode's state counts stalls.
+      _stalled_steps(state, handoffs, first_stalled, applied)
+      if hasattr(state, "stalled_steps")
+      else None,
     )
     return leaves.treedef.unflatten(param_updates), new_state, applied
 
@@ -265,14 +268,11 @@ def _step_on_masters(
 
 def _stalled_steps(
   state: Any, handoffs: list[Any], first_stalled: jax.Array | None, applied: jax.Array
-) -> jax.Array | None:
+) -> jax.Array:
   """Returns ``state``'s ``stalled_steps`` plus one if a 24-bit master's leaf
-  stalled on this applied step; None for a mode that does not count them.
-  ``first_stalled``: the same flag from the accelerator's first pass (None
-  without one), which the step's own (zero on a skipped step) stands for on
-  XLA:CPU."""
-  if not hasattr(state, "stalled_steps"):
-    return None
+  stalled on this applied step. ``first_stalled``: the same flag from the
+  accelerator's first pass (None without one), which the step's own (zero on
+  a skipped step) stands for on XLA:CPU."""
   stalled = _any_stalled(handoffs)
   if first_stalled is not None:
     stalled = lowering.by_platform(
