@@ -52,9 +52,9 @@ def check_master_precision(opt_state: optax.OptState) -> None:
     mpx._src.precision_check.MasterPrecisionError: 1 of 1 applied steps ...
   """
   for state in state_search.find_states(opt_state, MixedPrecision24bitState):
-    stalled = int(np.asarray(getattr(state.stalled_steps, "value", state.stalled_steps)))
+    stalled = int(np.asarray(state.stalled_steps))
     if stalled:
-      applied = int(np.asarray(getattr(state.applied_steps, "value", state.applied_steps)))
+      applied = int(np.asarray(state.applied_steps))
       raise MasterPrecisionError(
         f"{stalled} of {applied} applied steps of a mixed_precision(masters='24bit') "
         "state had a leaf whose largest update was below the spacing of 24-bit masters "

@@ -98,9 +98,7 @@ def round_to_24bit(master: jax.Array) -> jax.Array:
 def correction(master: jax.Array) -> jax.Array:
   """Returns the int8 that ``join_24bit`` adds back to the bfloat16 rounding (ties
   away) of a 24-bit ``master`` (from ``round_to_24bit``): its remainder over 256."""
-  low = jax.lax.sub(_bits(master), _bits(round_ties_away_f32(master)))
-  remainder16 = jax.lax.bitcast_convert_type(low.astype(jnp.uint16), jnp.int16)
-  return jax.lax.shift_right_arithmetic(remainder16, np.int16(8)).astype(jnp.int8)
+  return jax.lax.shift_right_arithmetic(remainder(master), np.int16(8)).astype(jnp.int8)
 
 
 def nearest_correction(master: jax.Array) -> jax.Array:

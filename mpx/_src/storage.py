@@ -265,18 +265,18 @@ class Landed24bit(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Master24bit:
+class Master24bit(Remainder):
   """The top 8 bits of a bfloat16 param's remainder (an int8): a 24-bit master
   (float32 with its low 8 bits zero, 15 bits of mantissa), to which each step's
-  float32 result is rounded to nearest, ties away.
+  float32 result is rounded to nearest, ties away. Its param update and its
+  ``sync`` are the remainder's (a zero param under a negative correction
+  restarts at 0).
 
   An update smaller than half the spacing of 24-bit values is lost, so
   ``commit`` also reports whether the leaf's largest update falls below the
   spacing at its largest master: a learning rate too small for the largest
   weights (the state's ``stalled_steps``).
   """
-
-  master_dtype: Any = _FLOAT32
 
   def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
     del index, seed
@@ -299,18 +299,9 @@ class Master24bit:
     stalled = jnp.logical_and(largest_update > 0, largest_update < spacing)
     return Committed(rounding.correction(new), Landed24bit(new, stalled))
 
-  def param_update(
-    self, stored: Any, handoff: Landed24bit, param: Any, applied: jax.Array
-  ) -> jax.Array:
-    del stored
-    target = rounding.round_ties_away_f32(handoff.master)
-    return _delta(target, jnp.asarray(param), jnp.float32, applied)
-
-  def sync(self, stored: jax.Array, param: Any) -> jax.Array:
-    """Restarts the corrections an edit broke: a param set to zero under a
-    negative correction; any other edit the master follows."""
-    wraps = rounding.wraps(jnp.asarray(param), stored)
-    return jnp.where(wraps, jnp.zeros_like(stored), stored)
+  def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
+    """Lands ``param`` as the remainder does, on ``handoff`` (a ``Landed24bit``)'s master."""
+    return super().param_update(stored, handoff.master, param, applied)
 
 
 @dataclasses.dataclass(frozen=True)
