@@ -94,7 +94,7 @@ def check_mixed_precision_inputs(
         f"mixed_precision: param {path!r} has shape {list(np.shape(param))} but its "
         f"master has shape {list(np.shape(got))}.{hint}"
       )
-    if np.shape(got) != np.shape(want) or tree_lib.leaf_dtype(got) != tree_lib.leaf_dtype(want):
+    if _layout(got) != _layout(want):
       raise ValueError(
         "mixed_precision: opt_state was not made by this transformation's init (or not "
         f"for these params): at {field}/{path}: expected {describe(want)}, got "
@@ -104,7 +104,7 @@ def check_mixed_precision_inputs(
   check_gradients("mixed_precision", grads, params)
   if own_verdict:
     # FSDP under mixed_precision alone, which has no axis_name to agree the verdict.
-    axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+    axes = _varying_axes_of(grads)
     loose = axes - varying_axes(state.applied_steps)
     if loose:
       raise ValueError(
@@ -133,7 +133,7 @@ def check_loss_scale_inputs(
     raise _wrong_state_type("loss_scale", state, LossScaleState)
   # Gradients varying over an axis that neither axis_name reduces nor the loss
   # scale varies over: each device would skip on its own verdict.
-  axes = frozenset().union(*(varying_axes(g) for g in jax.tree.leaves(grads)))
+  axes = _varying_axes_of(grads)
   names = () if axis_name is None else axis_name
   reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
   loose = axes - reduced - varying_axes(state.loss_scale)
@@ -185,7 +185,7 @@ def check_inner_results(
   for path, new, old in zip_leaves(new_state, old_state, state_mismatch):
     if tree_lib.is_placeholder(new):
       continue
-    if np.shape(new) != np.shape(old) or tree_lib.leaf_dtype(new) != tree_lib.leaf_dtype(old):
+    if _layout(new) != _layout(old):
       raise TypeError(
         f"{name}: the inner rule changed the type of its state at {path} from "
         f"{describe(old)} to {describe(new)}. Integer params reaching a rule such as "
@@ -206,7 +206,7 @@ def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> 
   for path, got, want in zip_leaves(state, expected, mismatch):
     if tree_lib.is_placeholder(want):
       continue
-    if np.shape(got) != np.shape(want) or tree_lib.leaf_dtype(got) != tree_lib.leaf_dtype(want):
+    if _layout(got) != _layout(want):
       raise ValueError(
         f"{intro}: at {prefix}{path}: expected {describe(want)}, got {describe(got)}."
       )
@@ -266,6 +266,16 @@ def varying_axes(leaf: Any) -> frozenset[Any]:
     return frozenset()
   manual = getattr(aval, "manual_axis_type", None)
   return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _varying_axes_of(tree: Any) -> frozenset[Any]:
+  """Returns the mesh axes any leaf of ``tree`` varies over (see ``varying_axes``)."""
+  return frozenset().union(*(varying_axes(leaf) for leaf in jax.tree.leaves(tree)))
+
+
+def _layout(leaf: Any) -> tuple[tuple[int, ...], Any]:
+  """Returns a leaf's shape and dtype (weak types aside), what states compare."""
+  return tuple(np.shape(leaf)), tree_lib.leaf_dtype(leaf)
 
 
 def _axes_text(axes: frozenset[Any]) -> str:
