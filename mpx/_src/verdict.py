@@ -268,8 +268,10 @@ def _single_cpu(on_device: list[jax.Array]) -> jax.Array:
   """Returns the single-CPU form: sums where they prove finiteness (leaves of
   float32's range or more: bfloat16, float32, float64), folded flags for the
   narrower dtypes."""
-  wide = [x for x in on_device if float(jnp.finfo(x.dtype).max) > 2.0**100]
-  narrow = [x for x in on_device if float(jnp.finfo(x.dtype).max) <= 2.0**100]
+  wide: list[jax.Array] = []
+  narrow: list[jax.Array] = []
+  for x in on_device:
+    (wide if float(jnp.finfo(x.dtype).max) > 2.0**100 else narrow).append(x)
   finite = _all([_folded_finite(group) for group in _groups(narrow, None)])
   if not wide:
     return finite
