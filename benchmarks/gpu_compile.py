@@ -242,24 +242,27 @@ def collectives(compiled: Any) -> dict[str, int]:
   return {op: ops.count(op) for op in sorted(set(ops))}
 
 
+def _arrays(text: str) -> list[tuple[int, int]]:
+  """Returns ``(bytes an element, elements)`` of each array an HLO type names."""
+  return [
+    (_BYTES[dtype], int(np.prod([int(n) for n in dims.split(",") if n] or [1])))
+    for dtype, dims in _ARRAY.findall(text)
+  ]
+
+
 def type_bytes(text: str) -> int:
   """Counts the bytes of the arrays an HLO type names."""
-  return sum(
-    _BYTES[dtype] * int(np.prod([int(n) for n in dims.split(",") if n] or [1]))
-    for dtype, dims in _ARRAY.findall(text)
-  )
+  return sum(size * count for size, count in _arrays(text))
 
 
 def type_elements(text: str) -> int:
   """Counts the elements of the largest array an HLO type names."""
-  found = _ARRAY.findall(text)
-  sizes = [np.prod([int(n) for n in dims.split(",") if n] or [1]) for _, dims in found]
-  return int(max(sizes, default=0))
+  return max((count for _, count in _arrays(text)), default=0)
 
 
 def _element_bytes(text: str) -> int:
-  found = _ARRAY.findall(text)
-  return _BYTES[found[0][0]] if found else 0
+  arrays = _arrays(text)
+  return arrays[0][0] if arrays else 0
 
 
 def _reads_a_slice(computations: dict, rest: str) -> bool:
