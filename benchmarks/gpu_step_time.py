@@ -86,25 +86,26 @@ def check_bits(rows: int, steps: int) -> list[str]:
     {"w": jax.random.normal(jax.random.PRNGKey(10 + i), (rows, WIDTH)).astype(jnp.bfloat16)}
     for i in range(steps)
   ]
+
+  def train(masters: str, moments: str) -> tuple[Any, Any]:
+    """Returns the params and state after ``grads``, from a copy of ``params``."""
+    tx = _mpx(masters, moments)()
+    p = jax.tree.map(jnp.copy, params)  # the step donates them
+    s = tx.init(p)
+    step = _step(tx)
+    for g in grads:
+      p, s = step(p, s, g)
+    return p, s
+
   lines = []
   for moments in ("full", "8bit", "4bit"):
     masters = {}
     for mode in ("full", "remainder"):
-      tx = mpx.mixed_precision(optax.adamw(1e-3), masters=mode, moments=moments)
-      p = jax.tree.map(jnp.copy, params)
-      s = tx.init(p)
-      step = _step(tx)
-      for g in grads:
-        p, s = step(p, s, g)
+      p, s = train(mode, moments)
       masters[mode] = np.asarray(mpx.master_params(s, p)["w"]).view(np.uint32)
     same = bool(np.array_equal(masters["full"], masters["remainder"]))
     lines.append(f"remainder masters bitwise the full ones, {moments} moments: {same}")
-  tx = mpx.mixed_precision(optax.adamw(1e-3), masters="24bit", moments="4bit")
-  p = jax.tree.map(jnp.copy, params)
-  s = tx.init(p)
-  step = _step(tx)
-  for g in grads:
-    p, s = step(p, s, g)
+  p, s = train("24bit", "4bit")
   master = mpx.master_params(s, p)["w"]
   bits = np.asarray(master).view(np.uint32)
   rounded = (bits + 0x8000) >> 16  # ties away: the bfloat16 param's bits
