@@ -417,7 +417,7 @@ def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
   """Returns ``(paths, leaves, treedef)`` with ``optax.MaskedNode`` as a leaf (the
   holes ``optax.partition`` and ``masked`` leave), paths as ``"a/b/0"``."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_lib.is_masked_node)
-  paths = [jax.tree_util.keystr(path, simple=True, separator="/") or "<root>" for path, _ in flat]
+  paths = [tree_lib.path_str(path) or "<root>" for path, _ in flat]
   return paths, [leaf for _, leaf in flat], treedef
 
 

@@ -249,7 +249,7 @@ def zip_leaves(
     raise mismatch(first_def, second_def)
   flat, _ = jax.tree_util.tree_flatten_with_path(first, is_leaf=tree_lib.is_placeholder)
   for (path, a), b in zip(flat, second_def.flatten_up_to(second), strict=True):
-    yield jax.tree_util.keystr(path, simple=True, separator="/") or "<root>", a, b
+    yield tree_lib.path_str(path) or "<root>", a, b
 
 
 def varying_axes(leaf: Any) -> frozenset[Any]:
