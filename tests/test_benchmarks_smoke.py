@@ -491,3 +491,14 @@ def test_gpu_step_time_checks_and_times_every_variant_on_any_device(capsys):
   table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
   assert len(table) == 1 + len(gpu_step_time.VARIANTS)  # the header, a row each
   assert not [line for line in table if "failed" in line]
+
+
+def test_gpu_bit_forms_runs_and_agrees_on_any_device(capsys):
+  """The script that showed XLA:GPU's wrong forms (docs/benchmarks_gpu_timed.md):
+  a row per form, and on XLA:CPU (its own reference) every row agrees."""
+  from benchmarks import gpu_bit_forms
+
+  gpu_bit_forms.main()
+  rows = [line for line in capsys.readouterr().out.splitlines() if "bytes differ" in line]
+  assert len(rows) == len(gpu_bit_forms._forms())
+  assert all(line.split()[0] == "0" for line in rows), rows

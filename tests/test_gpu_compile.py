@@ -233,3 +233,24 @@ def test_sweep_scratch_at_most_a_tenth_of_a_byte_per_param(swept, name, request)
   row = swept[name]
   scratch = {size: round(row.scratch_per_param(size), 3) for size in SWEEP_SIZES}
   assert all(s <= 0.1 for s in scratch.values()), scratch
+
+
+@pytest.mark.parametrize(
+  "masters, dtype", [("full", "float16"), ("remainder", "bfloat16")], ids=["float16", "bfloat16"]
+)
+def test_the_gpu_program_still_rounds_where_the_step_rounds(masters, dtype):
+  """XLA:GPU's excess precision (on by default) drops a round trip to a
+  narrower float and back inside a fusion: the float16 update's rounding and
+  the bfloat16 landing check must be ops it keeps (benchmarks/gpu_bit_forms.py
+  shows the dropped round trip on a GPU)."""
+  import jax.numpy as jnp
+  import optax
+
+  import mpx
+
+  require_cuda_compiler()
+  tx = mpx.mixed_precision(optax.adam(1e-3), masters=masters)
+  if dtype == "float16":
+    tx = mpx.loss_scale(tx)
+  compiled = gpu_compile.compile_step(tx, {"w": (64, 64)}, jnp.dtype(dtype), gpu_compile.topology())
+  assert "reduce-precision(" in compiled.as_text()

@@ -7,6 +7,8 @@ docs/concepts_masters.md says why each is so.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,16 +59,17 @@ def round_ties_away_f32(master: jax.Array) -> jax.Array:
 def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Splits a canonical float32 ``master`` into ``(param, remainder)``: its
   bfloat16 rounding (ties away) and the int16 that ``join`` adds back."""
-  param = round_ties_away(master)
-  low = jax.lax.sub(_bits(master), _shift_left(_bf16_bits(param), 16))
-  remainder = jax.lax.bitcast_convert_type(low.astype(jnp.uint16), jnp.int16)
-  return param, remainder
+  return round_ties_away(master), remainder(master)
 
 
 def remainder(master: jax.Array) -> jax.Array:
   """Returns ``split(master)[1]`` without making the bfloat16 param."""
   low = jax.lax.sub(_bits(master), _bits(round_ties_away_f32(master)))
-  return jax.lax.bitcast_convert_type(low.astype(jnp.uint16), jnp.int16)
+  # In int16's range already; the clamp keeps XLA:GPU (jax 0.11.2) from
+  # computing a truncating convert of a computed float's bits as a
+  # float-to-int conversion (zero for |x| < 1), which it did in some fusions.
+  low = jax.lax.bitcast_convert_type(low, jnp.int32)
+  return jax.lax.clamp(np.int32(-(2**15)), low, np.int32(2**15 - 1)).astype(jnp.int16)
 
 
 def join(param: jax.Array, remainder: jax.Array) -> jax.Array:
@@ -133,16 +136,45 @@ def landing(param: jax.Array, target: jax.Array) -> jax.Array:
   """Returns where ``optax.apply_updates(param, target - param)`` puts a
   bfloat16 ``param``: ``target`` unless the float32 update rounds (the
   exponent-gap corner in docs/concepts_masters.md)."""
-  f32 = lambda x: jax.lax.convert_element_type(x, jnp.float32)  # noqa: E731
-  param32 = f32(param)
-  update = jax.lax.sub(target if target.dtype == jnp.float32 else f32(target), param32)
-  return jax.lax.convert_element_type(jax.lax.add(param32, update), jnp.bfloat16)
+  return jax.lax.convert_element_type(landing_f32(param, target), jnp.bfloat16)
 
 
 def landing_f32(param: jax.Array, target: jax.Array) -> jax.Array:
-  """Returns ``landing(param, target)`` exactly in float32, for a float32
-  ``target`` that holds a bfloat16 value."""
-  return jax.lax.convert_element_type(landing(param, target), jnp.float32)
+  """Returns ``landing(param, target)`` exactly in float32."""
+  f32 = lambda x: jax.lax.convert_element_type(x, jnp.float32)  # noqa: E731
+  param32 = f32(param)
+  update = jax.lax.sub(target if target.dtype == jnp.float32 else f32(target), param32)
+  return round_as(jax.lax.add(param32, update), jnp.bfloat16)
+
+
+def round_as(x: jax.Array, dtype: Any) -> jax.Array:
+  """Returns ``x.astype(dtype).astype(x.dtype)`` for a float ``x`` within
+  ``dtype``'s finite range (nearest, ties to even; inf and NaN stay), in a
+  form XLA keeps for float16 and bfloat16.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from mpx._src import rounding
+    >>> rounding.round_as(jnp.float32(1e-3), jnp.float16).item()
+    0.0010004043579101562
+  """
+  # Not the round trip itself: XLA:GPU's excess precision (on by default)
+  # drops a convert to a narrower float and back inside a fusion.
+  if jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16):
+    # reduce_precision models IEEE formats only, not fp8's without inf.
+    return x.astype(dtype).astype(x.dtype)
+  narrow, wide = jnp.finfo(dtype), jnp.finfo(x.dtype)
+  normal = jax.lax.reduce_precision(x, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
+  if narrow.nexp >= wide.nexp:  # bfloat16 in float32: its subnormals are float32's
+    return normal
+  # reduce_precision flushes what lies below dtype's normals to zero; there
+  # the values are whole multiples of its smallest subnormal (powers of two:
+  # exact to scale by).
+  scale = np.asarray(2.0 ** -np.log2(float(narrow.smallest_subnormal)), x.dtype)
+  count = jax.lax.round(jax.lax.mul(x, scale), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+  small = jax.lax.div(count, scale)
+  below = jax.lax.lt(jax.lax.abs(x), np.asarray(narrow.tiny, x.dtype))
+  return jax.lax.select(below, small, normal)
 
 
 def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:

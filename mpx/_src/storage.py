@@ -160,7 +160,8 @@ class Copy:
   def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
     del handoff
     param = jnp.asarray(param)
-    return _delta(self.rounded(stored, param), param, self.master_dtype, applied)
+    target = rounding.round_as(tree_lib.saturate(stored, param.dtype), param.dtype)
+    return _delta(target, param, self.master_dtype, applied)
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:
     """Keeps each master whose rounding is still the param; restarts the

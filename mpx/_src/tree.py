@@ -176,15 +176,21 @@ def require_floating_dtype(dtype: Any, name: str) -> np.dtype:
 def saturating_cast(x: Any, dtype: Any) -> jax.Array:
   """Rounds ``x`` to ``dtype``; finite values beyond its range become its
   largest finite value instead of inf. inf and NaN stay as they are."""
+  return saturate(x, dtype).astype(dtype)
+
+
+def saturate(x: Any, dtype: Any) -> jax.Array:
+  """Clips the finite values of ``x`` to ``dtype``'s finite range, in ``x``'s
+  dtype (inf and NaN stay)."""
   x = jnp.asarray(x)
   dtype = jnp.dtype(dtype)
   if jnp.finfo(dtype).max >= jnp.finfo(x.dtype).max:
-    return x.astype(dtype)
+    return x
   # lax, not jnp: this runs once per leaf per step, and jnp.clip traces as a
   # nested jit, which the step's trace and lowering pay for at every leaf.
   limit = np.asarray(jnp.finfo(dtype).max, x.dtype)
   clamped = jax.lax.clamp(-limit, x, limit)
-  return jax.lax.select(jax.lax.is_finite(x), clamped, x).astype(dtype)
+  return jax.lax.select(jax.lax.is_finite(x), clamped, x)
 
 
 def strong_types(tree: PyTree) -> PyTree:
