@@ -6,7 +6,8 @@ leaf of ``(rows, 4096)`` (plain optax on float32 params for the baseline),
 timed over ``--steps`` steps after a warm-up, all in one process so that the
 ratios compare like with like. It also checks on the device what the CPU
 tests check on XLA:CPU: remainder masters bitwise the full ones, a 24-bit
-master's param its rounding, and no conditional in the step.
+master's param its rounding, an eager step the jitted one, and no
+conditional in the step.
 """
 
 from __future__ import annotations
@@ -115,7 +116,32 @@ def check_bits(rows: int, steps: int) -> list[str]:
     f"{bool(np.all(bits & 0xFF == 0) and np.array_equal(rounded, param_bits))}; "
     f"stalled_steps {int(s.stalled_steps)} of {int(s.applied_steps)}"
   )
+  lines.append(f"eager steps bitwise the jitted ones, every masters mode: {_eager_is_jitted(rows)}")
   return lines
+
+
+def _eager_is_jitted(rows: int) -> bool:
+  """Whether a step called eagerly (after a jitted one) computes the jitted
+  step's bits: each masters mode with 4-bit moments, and float16 under
+  loss_scale (where XLA:GPU's excess precision once dropped the rounding)."""
+  rng = np.random.default_rng(3)
+  cases = [(_mpx(m, "4bit")(), jnp.bfloat16) for m in ("full", "remainder", "24bit", "stochastic")]
+  cases.append((mpx.loss_scale(mpx.mixed_precision(optax.adam(1e-3))), jnp.float16))
+  same = True
+  for tx, dtype in cases:
+    params = {"w": jnp.asarray(rng.normal(size=(rows, WIDTH)), dtype)}
+    grads = [{"w": jnp.asarray(rng.normal(size=(rows, WIDTH)), dtype)} for _ in range(2)]
+    updates, state = jax.jit(tx.update)(grads[0], tx.init(params), params)
+    params = optax.apply_updates(params, updates)
+    eager = tx.update(grads[1], state, params)
+    jitted = jax.jit(tx.update)(grads[1], state, params)
+    pairs = zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True)
+    same &= all(np.array_equal(_bytes(a), _bytes(b)) for a, b in pairs)
+  return bool(same)
+
+
+def _bytes(x: Any) -> np.ndarray:
+  return np.atleast_1d(np.asarray(x)).view(np.uint8)
 
 
 def main(argv: list[str] | None = None) -> None:

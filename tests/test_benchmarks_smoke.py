@@ -485,7 +485,7 @@ def test_gpu_step_time_checks_and_times_every_variant_on_any_device(capsys):
   from benchmarks import gpu_step_time
 
   checks = gpu_step_time.check_bits(16, 2)
-  assert len(checks) == 4
+  assert len(checks) == 5
   assert all(": True" in line and "False" not in line for line in checks), checks
   gpu_step_time.main(["--rows", "2", "--steps", "1"])
   table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
