@@ -29,9 +29,22 @@ TARGET = pathlib.Path(__file__).parent / "gpu" / "h100_sxm.txtpb"
 # Kernels: what the host launches. Bytes are their operands and results.
 KERNEL_OPS = ("fusion", "custom-call", "copy", "copy-start", "all-gather", "all-reduce")
 _BYTES = {
-  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-}  # fmt: skip
+  "pred": 1,
+  "s4": 0.5,
+  "u4": 0.5,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}  # fmt: skip (4-bit types: XLA:GPU packs two a byte, layout {...:E(4)})
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\((.*)$")
 # Floors from the mode's storage (a memory-bound step cannot go below them):

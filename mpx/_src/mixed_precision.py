@@ -99,6 +99,8 @@ def mixed_precision(
   moments_format = moments_lib.check_format(moments, moment_fields, seed, dtype)
   validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
+  # 4-bit codes are kept a nibble pair at a time on accelerators.
+  keep_codes = moments_lib.kept if moments_format.codes_4bit else None
 
   def init_fn(params: optax.Params) -> Any:
     adapters.refuse_fp8_metadata("mixed_precision", params)
@@ -162,6 +164,7 @@ def mixed_precision(
       state.applied_steps,
       extra_args,
       scales,
+      select=keep_codes,
     )
     # 4. After the skip: the param updates (they fuse into optax.apply_updates).
     param_updates = [

@@ -335,8 +335,8 @@ def _pack(codes: jax.Array, per: int | None = None) -> jax.Array:
   slices the loop stays scalar). Eight make a uint32 word, split into its
   bytes (little-endian: the same bytes) by a small second pass; a loop over
   words reads a moment decoded from words (``_unpack``) a vector at a time,
-  where a loop over bytes would gather its words. XLA:GPU's reduction
-  emitter runs groups of 2 faster (``_encode`` packs so on accelerators)."""
+  where a loop over bytes would gather its words. XLA:CPU's form:
+  accelerators pack by a bitcast (``_pack_by_bitcast``)."""
   *lead, n = codes.shape
   per = per or (8 if n % 8 == 0 else 2)
   groups = codes.reshape((*lead, n // per, per))
@@ -349,6 +349,39 @@ def _pack(codes: jax.Array, per: int | None = None) -> jax.Array:
     return packed.astype(jnp.uint8)
   words = jax.lax.bitcast_convert_type(packed, jnp.uint32)
   return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape((*lead, n // 2))
+
+
+def kept(applied: jax.Array, new: FourBitMoment, old: FourBitMoment) -> FourBitMoment:
+  """Returns ``new`` where ``applied``, else ``old``, with the codes selected as
+  uint4 pairs: XLA:GPU then fuses the select into the kernel that codes
+  ``new`` (packed by ``_pack_by_bitcast``) and writes it in place, where a
+  select of the packed bytes is a kernel of its own that reads the new codes
+  back from scratch (docs/design.md, "Compressed moments at the byte floor")."""
+  nibbles = lambda codes: jax.lax.bitcast_convert_type(codes, jnp.uint4)  # noqa: E731
+  codes = jnp.where(applied, nibbles(new.codes), nibbles(old.codes))
+  scales = jnp.where(applied, new.scales, old.scales)
+  return type(new)(jax.lax.bitcast_convert_type(codes, jnp.uint8), scales)
+
+
+def _pack_by_bitcast(codes: jax.Array) -> jax.Array:
+  """``_pack(codes)`` as a bitcast of uint4 pairs: element ``2i`` in the low
+  nibble of byte ``i`` (XLA's order for a bitcast to a wider type)."""
+  *lead, n = codes.shape
+  pairs = codes.astype(jnp.uint4).reshape((*lead, n // 2, 2))
+  return jax.lax.bitcast_convert_type(pairs, jnp.uint8)
+
+
+def _unpacked(codes: jax.Array, per: int) -> jax.Array:
+  """``_unpack(codes, per)``; on accelerators by a bitcast to uint4 pairs, the
+  view in which ``kept`` selects the new codes: read and written alike, XLA
+  writes the new codes over the old ones in place (read as bytes, it copies)."""
+  return lowering.by_platform(codes, cpu=lambda c: _unpack(c, per), accelerator=_unpack_by_bitcast)
+
+
+def _unpack_by_bitcast(codes: jax.Array) -> jax.Array:
+  """``_unpack(codes)`` as a bitcast to uint4 pairs (see ``_pack_by_bitcast``)."""
+  nibbles = jax.lax.bitcast_convert_type(codes, jnp.uint4)
+  return nibbles.reshape((*codes.shape[:-1], 2 * codes.shape[-1])).astype(jnp.int32)
 
 
 def _unpack(codes: jax.Array, per: int | None = None) -> jax.Array:
@@ -526,10 +559,11 @@ def _encode(
   else:
     scale = layout.wide(block_max[..., : layout.blocks])
     codes = _codes(code, x[..., :body], scale, key, step, stochastic, x.shape)
-    # The same bytes either way; XLA:GPU's step runs the coder 1.6x to 2.2x
-    # faster packing a byte at a time (docs/benchmarks_gpu_timed.md).
+    # The same bytes either way. On accelerators a bitcast of uint4 pairs, the
+    # view in which the step reads and keeps the codes: XLA:GPU writes them in
+    # place (docs/design.md, "Compressed moments at the byte floor").
     codes = lowering.by_platform(
-      codes, cpu=lambda c: _pack(c, layout.per), accelerator=lambda c: _pack(c, 2)
+      codes, cpu=lambda c: _pack(c, layout.per), accelerator=_pack_by_bitcast
     )
   if code.signed:
     return Signed4bitMoment(codes, block_max)
@@ -597,7 +631,7 @@ def decode_by_table(stored: FourBitMoment) -> jax.Array:
   layout = _Layout.of_codes(codes.shape, scales.shape)
   if layout.tail or not layout.body:
     return _decode(code, stored)
-  k = _unpack(codes, layout.per)
+  k = _unpacked(codes, layout.per)
   scale = layout.wide(scales[..., : layout.blocks])
   if code.signed:
     # Index = the code: its low 3 bits the magnitude, the 4th the sign.
@@ -631,7 +665,7 @@ def _decode(code: _Code, stored: FourBitMoment) -> jax.Array:
     full = jnp.broadcast_to(scales[..., None], (*layout.lead, scales.shape[-1], layout.size))
     scale = _unblocked(full, layout.n)
   else:
-    k = _unpack(codes, layout.per)
+    k = _unpacked(codes, layout.per)
     scale = layout.wide(scales[..., : layout.blocks])
   if code.signed:
     magnitude = _lookup(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), code.levels)

@@ -257,6 +257,11 @@ class MomentsFormat:
   def field_names(self) -> tuple[str, ...]:
     return tuple(name for name, _ in self.fields)
 
+  @property
+  def codes_4bit(self) -> bool:
+    """Whether any field is coded in 4 bits."""
+    return any(code == "4bit" for _, code in self.formats)
+
   def kinds(self, inner_state: Any) -> list[MomentKind]:
     """Returns the moment kind of each leaf of ``inner_state`` (a state as the
     inner rule makes it, or its abstract shapes), in flattening order."""
@@ -631,3 +636,16 @@ def decompressed(stored_inner: Any) -> Any:
     return x if kind is None else kind.decompress(x)
 
   return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
+
+
+def kept(applied: jax.Array, new: Any, old: Any) -> Any:
+  """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf; a
+  4-bit moment as :func:`moment_codes_4bit.kept` selects it (a skipped step
+  in the accelerator's program, ``verdict.run_if_finite``)."""
+  is_4bit = lambda x: isinstance(x, tuple(codes_4bit.STORED_TYPES.values()))  # noqa: E731
+  return jax.tree.map(
+    lambda n, o: codes_4bit.kept(applied, n, o) if is_4bit(n) else jnp.where(applied, n, o),
+    new,
+    old,
+    is_leaf=is_4bit,
+  )

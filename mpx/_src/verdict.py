@@ -160,6 +160,7 @@ def run_if_finite(
   step: Callable[..., tuple[Any, Any]],
   state: Any,
   *args: Any,
+  select: Callable[[jax.Array, Any, Any], Any] | None = None,
 ) -> tuple[Any, Any, jax.Array]:
   """Runs ``step(state, *args)`` where ``finite`` holds, else keeps ``state``.
 
@@ -174,6 +175,8 @@ def run_if_finite(
       of ``state``.
     state: what ``step`` updates; returned as it is on a skipped step.
     *args: further arguments of ``step`` (pytrees).
+    select: ``select(finite, new_state, state)``, the select form's keep (by
+      default ``jnp.where`` leaf by leaf).
 
   Returns:
     ``(new_state, outputs, applied)``: ``step``'s results, or ``state`` and
@@ -201,7 +204,7 @@ def run_if_finite(
     state,
     arrays,
     cpu=functools.partial(_by_cond, on_arrays),
-    accelerator=functools.partial(_by_select, on_arrays),
+    accelerator=functools.partial(_by_select, on_arrays, select),
   )
 
 
@@ -223,16 +226,22 @@ def _by_cond(
 
 
 def _by_select(
-  step: Callable[..., tuple[Any, Any]], finite: jax.Array, state: Any, arrays: list[Any]
+  step: Callable[..., tuple[Any, Any]],
+  select: Callable[[jax.Array, Any, Any], Any] | None,
+  finite: jax.Array,
+  state: Any,
+  arrays: list[Any],
 ) -> tuple[Any, Any, jax.Array]:
   new_state, outputs = step(state, arrays)
-  new_flat, treedef = jax.tree.flatten(new_state)
-  kept = [
-    jnp.where(finite, new, old) for new, old in zip(new_flat, jax.tree.leaves(state), strict=True)
-  ]
+  if select is None:
+    new_flat, treedef = jax.tree.flatten(new_state)
+    kept = [jnp.where(finite, n, o) for n, o in zip(new_flat, jax.tree.leaves(state), strict=True)]
+    new_state = jax.tree.unflatten(treedef, kept)
+  else:
+    new_state = select(finite, new_state, state)
   outputs_flat, outputs_def = jax.tree.flatten(outputs)
   zeroed = [jnp.where(finite, x, jnp.zeros_like(x)) for x in outputs_flat]
-  return jax.tree.unflatten(treedef, kept), jax.tree.unflatten(outputs_def, zeroed), finite
+  return new_state, jax.tree.unflatten(outputs_def, zeroed), finite
 
 
 def holds_mixed_precision(inner_state: Any) -> bool:
