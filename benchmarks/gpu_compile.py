@@ -193,6 +193,9 @@ def variants() -> list[Variant]:
     Variant("mpx full + 8bit moments", bf16, mp(moments="8bit")),
     Variant("mpx remainder + 8bit moments", bf16, mp(masters="remainder", moments="8bit")),
     Variant("mpx stochastic + 8bit moments", bf16, mp(masters="stochastic", moments="8bit")),
+    Variant("mpx remainder + 4bit moments", bf16, mp(masters="remainder", moments="4bit")),
+    Variant("mpx 24bit + 4bit moments", bf16, mp(masters="24bit", moments="4bit")),
+    Variant("mpx stochastic + 4bit moments", bf16, mp(masters="stochastic", moments="4bit")),
     Variant(
       "mpx loss_scale(full), fp16",
       f16,

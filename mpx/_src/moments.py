@@ -420,13 +420,14 @@ class MomentsFormat:
           scales[i] = kind.maxima(values[i])
       grad = jnp.asarray(grads[path], jnp.float32)
       # 1 where the gradient is not finite: a max of these is 0 exactly when
-      # every element is finite, whatever the max does with a NaN.
-      flag = jax.lax.select(jnp.isfinite(grad), jnp.zeros_like(grad), jnp.ones_like(grad))
+      # every element is finite, whatever the max does with a NaN. A byte, not
+      # a float32: the reduction writes one a block, scratch until the verdict.
+      flag = jnp.logical_not(jnp.isfinite(grad)).astype(jnp.uint8)
       magnitudes = [kind.magnitude(values[i]) for i, kind, _ in joint]
       *maxima, flags = _joint_block_max([*magnitudes, flag], small)
       for (i, _, size), block_max in zip(joint, maxima, strict=True):
         scales[i] = _coarser(block_max, size // small)
-      finite.append(jax.lax.eq(jnp.max(flags), np.float32(0)))
+      finite.append(jax.lax.eq(jnp.max(flags), np.uint8(0)))
     all_finite = jnp.asarray(True)
     if finite:
       # Behind a barrier, as verdict._all stacks per-leaf flags: one kernel tests them.
@@ -463,7 +464,7 @@ def _joint_block_max(operands: list[jax.Array], size: int) -> list[jax.Array]:
   def reducer(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
 
-  zeros = tuple(np.float32(0) for _ in blocked)
+  zeros = tuple(np.zeros((), x.dtype) for x in blocked)
   return list(jax.lax.reduce(tuple(blocked), zeros, reducer, (len(shape),)))
 
 
