@@ -258,7 +258,7 @@ def collectives(compiled: Any) -> dict[str, int]:
   return {op: ops.count(op) for op in sorted(set(ops))}
 
 
-def _arrays(text: str) -> list[tuple[int, int]]:
+def _arrays(text: str) -> list[tuple[float, int]]:
   """Returns ``(bytes an element, elements)`` of each array an HLO type names."""
   return [
     (_BYTES[dtype], int(np.prod([int(n) for n in dims.split(",") if n] or [1])))
@@ -266,7 +266,7 @@ def _arrays(text: str) -> list[tuple[int, int]]:
   ]
 
 
-def type_bytes(text: str) -> int:
+def type_bytes(text: str) -> float:
   """Counts the bytes of the arrays an HLO type names."""
   return sum(size * count for size, count in _arrays(text))
 
@@ -276,7 +276,7 @@ def type_elements(text: str) -> int:
   return max((count for _, count in _arrays(text)), default=0)
 
 
-def _element_bytes(text: str) -> int:
+def _element_bytes(text: str) -> float:
   arrays = _arrays(text)
   return arrays[0][0] if arrays else 0
 

@@ -72,10 +72,15 @@ def test_float32_forms_equal_the_bfloat16_ones_bit_for_bit():
     jax.jit(rounding.landing_f32)(params, jax.jit(rounding.round_ties_away_f32)(x))
   )
   widened = np.asarray(landed).view(np.uint16).astype(np.uint32) << 16
-  # NaN as NaN: XLA:GPU's reduce_precision sets every payload bit of a NaN.
-  nan = np.isnan(landed_f32)
-  np.testing.assert_array_equal(nan, np.isnan(widened.view(np.float32)))
-  np.testing.assert_array_equal(landed_f32.view(np.uint32)[~nan], widened[~nan])
+  assert_same_bits_nan_as_nan(landed_f32, widened.view(np.float32))
+
+
+def assert_same_bits_nan_as_nan(got: np.ndarray, want: np.ndarray) -> None:
+  """Asserts two float32 arrays equal bit for bit, a NaN only as a NaN: XLA:GPU's
+  reduce_precision sets every payload bit of a NaN."""
+  nan = np.isnan(want)
+  np.testing.assert_array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
@@ -101,9 +106,7 @@ def test_round_as_is_the_round_trip_through_the_narrow_dtype(dtype):
   got = np.asarray(jax.jit(rounding.round_as, static_argnums=1)(jnp.asarray(x), dtype))
   with np.errstate(invalid="ignore"):
     want = x.astype(dtype).astype(np.float32)
-  nan = np.isnan(want)
-  np.testing.assert_array_equal(np.isnan(got), nan)
-  np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+  assert_same_bits_nan_as_nan(got, want)
 
 
 def test_canonical_saturates_and_keeps_nan():

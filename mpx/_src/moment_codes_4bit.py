@@ -371,6 +371,13 @@ def _pack_by_bitcast(codes: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(pairs, jnp.uint8)
 
 
+def _packed(codes: jax.Array, per: int) -> jax.Array:
+  """``_pack(codes, per)``; on accelerators (the same bytes) by a bitcast of uint4
+  pairs, the view in which the step reads and keeps the codes, so that XLA:GPU
+  writes them in place (docs/design.md, "Compressed moments at the byte floor")."""
+  return lowering.by_platform(codes, cpu=lambda c: _pack(c, per), accelerator=_pack_by_bitcast)
+
+
 def _unpacked(codes: jax.Array, per: int) -> jax.Array:
   """``_unpack(codes, per)``; on accelerators by a bitcast to uint4 pairs, the
   view in which ``kept`` selects the new codes: read and written alike, XLA
@@ -559,12 +566,7 @@ def _encode(
   else:
     scale = layout.wide(block_max[..., : layout.blocks])
     codes = _codes(code, x[..., :body], scale, key, step, stochastic, x.shape)
-    # The same bytes either way. On accelerators a bitcast of uint4 pairs, the
-    # view in which the step reads and keeps the codes: XLA:GPU writes them in
-    # place (docs/design.md, "Compressed moments at the byte floor").
-    codes = lowering.by_platform(
-      codes, cpu=lambda c: _pack(c, layout.per), accelerator=_pack_by_bitcast
-    )
+    codes = _packed(codes, layout.per)
   if code.signed:
     return Signed4bitMoment(codes, block_max)
   return Nonnegative4bitMoment(codes, block_max)
