@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import rounding
+from mpx._src import rounding, tree
 
 U32 = np.uint32
 
@@ -44,8 +44,8 @@ def _forms() -> dict[str, tuple[Callable[..., Any], bool]]:
     ),
     "rounding.remainder(x*3)": (lambda x: rounding.remainder(rounding.canonical(x * 3)), True),
     "rounding.split(x*3)": (lambda x: rounding.split(rounding.canonical(x * 3)), True),
-    "rounding.round_as(x*3, float16)": (
-      lambda x: rounding.round_as(x * 3, jnp.float16) - x,
+    "tree.round_as(x*3, float16)": (
+      lambda x: tree.round_as(x * 3, jnp.float16) - x,
       True,
     ),
     "rounding.correction(round_to_24bit(x*3))": (

@@ -7,11 +7,11 @@ docs/concepts_masters.md says why each is so.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mpx._src import tree as tree_lib
 
 U32 = jnp.uint32
 # The largest float32 whose nearest bfloat16 (ties away) is finite, 0x7f7f7fff.
@@ -144,37 +144,7 @@ def landing_f32(param: jax.Array, target: jax.Array) -> jax.Array:
   f32 = lambda x: jax.lax.convert_element_type(x, jnp.float32)  # noqa: E731
   param32 = f32(param)
   update = jax.lax.sub(target if target.dtype == jnp.float32 else f32(target), param32)
-  return round_as(jax.lax.add(param32, update), jnp.bfloat16)
-
-
-def round_as(x: jax.Array, dtype: Any) -> jax.Array:
-  """Returns ``x.astype(dtype).astype(x.dtype)`` for a float ``x`` within
-  ``dtype``'s finite range (nearest, ties to even; inf and NaN stay), in a
-  form XLA keeps for float16 and bfloat16.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from mpx._src import rounding
-    >>> rounding.round_as(jnp.float32(1e-3), jnp.float16).item()
-    0.0010004043579101562
-  """
-  # Not the round trip itself: XLA:GPU's excess precision (on by default)
-  # drops a convert to a narrower float and back inside a fusion.
-  if jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16):
-    # reduce_precision models IEEE formats only, not fp8's without inf.
-    return x.astype(dtype).astype(x.dtype)
-  narrow, wide = jnp.finfo(dtype), jnp.finfo(x.dtype)
-  normal = jax.lax.reduce_precision(x, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
-  if narrow.nexp >= wide.nexp:  # bfloat16 in float32: its subnormals are float32's
-    return normal
-  # reduce_precision flushes what lies below dtype's normals to zero; there
-  # the values are whole multiples of its smallest subnormal (powers of two:
-  # exact to scale by).
-  scale = np.asarray(2.0 ** -np.log2(float(narrow.smallest_subnormal)), x.dtype)
-  count = jax.lax.round(jax.lax.mul(x, scale), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
-  small = jax.lax.div(count, scale)
-  below = jax.lax.lt(jax.lax.abs(x), np.asarray(narrow.tiny, x.dtype))
-  return jax.lax.select(below, small, normal)
+  return tree_lib.round_as(jax.lax.add(param32, update), jnp.bfloat16)
 
 
 def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:

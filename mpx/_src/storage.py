@@ -160,7 +160,7 @@ class Copy:
   def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
     del handoff
     param = jnp.asarray(param)
-    target = rounding.round_as(tree_lib.saturate(stored, param.dtype), param.dtype)
+    target = tree_lib.round_as(tree_lib.saturate(stored, param.dtype), param.dtype)
     return _delta(target, param, self.master_dtype, applied)
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:

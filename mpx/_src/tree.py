@@ -1,4 +1,5 @@
-"""Pytree helpers for mixed precision: leaf types, holes, selection and casting.
+"""Pytree helpers for mixed precision: leaf types, holes, selection and casting
+(saturating, and rounding in a form XLA keeps).
 
 Only floating leaves are cast; counters, booleans and PRNG keys pass through.
 """
@@ -191,6 +192,36 @@ def saturate(x: Any, dtype: Any) -> jax.Array:
   limit = np.asarray(jnp.finfo(dtype).max, x.dtype)
   clamped = jax.lax.clamp(-limit, x, limit)
   return jax.lax.select(jax.lax.is_finite(x), clamped, x)
+
+
+def round_as(x: jax.Array, dtype: Any) -> jax.Array:
+  """Returns ``x.astype(dtype).astype(x.dtype)`` for a float ``x`` within
+  ``dtype``'s finite range (nearest, ties to even; inf and NaN stay), in a
+  form XLA keeps for float16 and bfloat16.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from mpx._src import tree
+    >>> tree.round_as(jnp.float32(1e-3), jnp.float16).item()
+    0.0010004043579101562
+  """
+  # Not the round trip itself: XLA:GPU's excess precision (on by default)
+  # drops a convert to a narrower float and back inside a fusion.
+  if jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16):
+    # reduce_precision models IEEE formats only, not fp8's without inf.
+    return x.astype(dtype).astype(x.dtype)
+  narrow, wide = jnp.finfo(dtype), jnp.finfo(x.dtype)
+  normal = jax.lax.reduce_precision(x, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
+  if narrow.nexp >= wide.nexp:  # bfloat16 in float32: its subnormals are float32's
+    return normal
+  # reduce_precision flushes what lies below dtype's normals to zero; there
+  # the values are whole multiples of its smallest subnormal (powers of two:
+  # exact to scale by).
+  scale = np.asarray(2.0 ** -np.log2(float(narrow.smallest_subnormal)), x.dtype)
+  count = jax.lax.round(jax.lax.mul(x, scale), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+  small = jax.lax.div(count, scale)
+  below = jax.lax.lt(jax.lax.abs(x), np.asarray(narrow.tiny, x.dtype))
+  return jax.lax.select(below, small, normal)
 
 
 def strong_types(tree: PyTree) -> PyTree:

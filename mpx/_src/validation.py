@@ -104,7 +104,7 @@ def check_mixed_precision_inputs(
   check_gradients("mixed_precision", grads, params)
   if own_verdict:
     # FSDP under mixed_precision alone, which has no axis_name to agree the verdict.
-    axes = _varying_axes_of(grads)
+    axes = varying_axes(grads)
     loose = axes - varying_axes(state.applied_steps)
     if loose:
       raise ValueError(
@@ -121,19 +121,44 @@ def check_loss_scale_inputs(
   grads: Any,
   state: Any,
   params: Any,
+  rule: Any,
   axis_name: Any,
   inner_init: Callable[[Any], Any] | None,
 ) -> bool:
-  """Checks one ``loss_scale`` step's inputs: the state's type, that every device
+  """Checks one ``loss_scale`` step's inputs: the state's type, that a concrete
+  state could come from ``rule`` (its ``ScaleRule``), that every device
   agrees the verdict (``axis_name``), and, given ``inner_init`` (the
   transformation does not hand the gradients to a ``mixed_precision``, which
   checks them itself), the gradients against the params and the inner state
   against ``inner_init``'s. Returns whether any gradient is per-example."""
   if not isinstance(state, LossScaleState):
     raise _wrong_state_type("loss_scale", state, LossScaleState)
+  # A state restored into other settings, or edited by hand (traced states,
+  # under jit, are not seen).
+  fields = (state.loss_scale, state.growth_tracker, state.overflow_streak, state.skipped_steps)
+  if not any(isinstance(x, jax.core.Tracer) for x in fields):
+    scale, tracker = float(state.loss_scale), int(state.growth_tracker)
+    problems = []
+    if not rule.min_scale <= scale <= rule.max_scale:
+      problems.append(
+        f"loss_scale {scale} is outside [min_scale, max_scale] = "
+        f"[{rule.min_scale}, {rule.max_scale}]"
+      )
+    if not 0 <= tracker < rule.growth_interval:
+      problems.append(
+        f"growth_tracker {tracker} is outside [0, growth_interval) = [0, {rule.growth_interval})"
+      )
+    if int(state.overflow_streak) < 0 or int(state.skipped_steps) < 0:
+      problems.append("a counter is negative")
+    if problems:
+      raise ValueError(
+        "loss_scale: the state does not fit this transformation's settings: "
+        + "; ".join(problems)
+        + ". Was it made by another loss_scale, or restored into different settings?"
+      )
   # Gradients varying over an axis that neither axis_name reduces nor the loss
   # scale varies over: each device would skip on its own verdict.
-  axes = _varying_axes_of(grads)
+  axes = varying_axes(grads)
   names = () if axis_name is None else axis_name
   reduced = frozenset(names if isinstance(names, tuple | list) else (names,))
   loose = axes - reduced - varying_axes(state.loss_scale)
@@ -252,25 +277,22 @@ def zip_leaves(
     yield tree_lib.path_str(path) or "<root>", a, b
 
 
-def varying_axes(leaf: Any) -> frozenset[Any]:
-  """Returns the mesh axes ``leaf`` varies over inside a ``shard_map`` that
-  checks them (``check_vma=True``, its default); empty elsewhere.
+def varying_axes(tree: Any) -> frozenset[Any]:
+  """Returns the mesh axes any leaf of ``tree`` (a leaf alone, too) varies over
+  inside a ``shard_map`` that checks them (``check_vma=True``, its default);
+  empty elsewhere.
 
   Read from ``manual_axis_type.varying`` (jax 0.10) or ``vma`` (0.6.1 to 0.9);
   older types carry none (tests/test_shard_map_vma.py pins each)."""
-  if leaf is None or tree_lib.is_placeholder(leaf):
-    return frozenset()
-  try:
-    aval = jax.typeof(leaf)
-  except TypeError:
-    return frozenset()
-  manual = getattr(aval, "manual_axis_type", None)
-  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
-
-
-def _varying_axes_of(tree: Any) -> frozenset[Any]:
-  """Returns the mesh axes any leaf of ``tree`` varies over (see ``varying_axes``)."""
-  return frozenset().union(*(varying_axes(leaf) for leaf in jax.tree.leaves(tree)))
+  axes: set[Any] = set()
+  for leaf in jax.tree.leaves(tree):
+    try:
+      aval = jax.typeof(leaf)
+    except TypeError:
+      continue
+    manual = getattr(aval, "manual_axis_type", None)
+    axes.update(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
+  return frozenset(axes)
 
 
 def _layout(leaf: Any) -> tuple[tuple[int, ...], Any]:
