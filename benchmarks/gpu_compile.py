@@ -281,16 +281,45 @@ def _element_bytes(text: str) -> float:
   return arrays[0][0] if arrays else 0
 
 
-def _reads_a_slice(computations: dict, rest: str) -> bool:
-  """Tells whether a fusion is a loop fusion that slices and computes each output
-  element from one element of each operand (``mpx``'s sampled checks: a row of
-  a leaf's update); a gather from a code table reads one entry per element."""
-  called = re.search(r"kind=kLoop, calls=%?([\w.-]+)", rest)
+# Ops that pass one operand's elements on one for one (the walk from a
+# reduction's input back to the slice it reads).
+_ONE_FOR_ONE = {"abs", "bitcast", "convert", "copy", "negate", "reshape"}
+
+
+def _sliced_elements(computations: dict, result: str, rest: str) -> int | None:
+  """Returns how many elements of each operand a fusion reads where it computes
+  only a slice of them, else None: ``mpx``'s sampled checks (a leaf's first
+  elements of the update and the master), as a loop fusion that slices and
+  computes each output element from one element of each operand, or as an
+  input fusion whose every reduction reads a slice and whose only outputs are
+  the reductions' (XLA:GPU computes the operands at the sliced indices alone);
+  a gather from a code table reads one entry per element."""
+  called = re.search(r"kind=(kLoop|kInput), calls=%?([\w.-]+)", rest)
   if not called:
-    return False
-  ops = {op for _, _, op, _ in computations.get(called.group(1), [])}
+    return None
+  instructions = computations.get(called.group(2), [])
+  by_name = {name: (op, body) for name, _, op, body in instructions}
+  ops = {op for _, _, op, _ in instructions}
   many = {"reduce", "reduce-window", "scatter", "dot", "convolution", "sort"}
-  return "slice" in ops and not ops & many
+  if "slice" not in ops:
+    return None
+  if called.group(1) == "kLoop":
+    return None if ops & many else max(type_elements(result), 1)
+  if ops & many != {"reduce"}:
+    return None
+  sliced = []
+  for _, _, op, body in instructions:
+    if op != "reduce":
+      continue
+    operands = re.findall(r"%([\w.-]+)", body.split("),")[0])
+    for name in operands[: len(operands) // 2]:  # the inputs; then the inits
+      while by_name.get(name, ("", ""))[0] in _ONE_FOR_ONE:
+        name = re.findall(r"%([\w.-]+)", by_name[name][1])[0]
+      if by_name.get(name, ("", ""))[0] not in ("slice", "parameter"):
+        return None  # a parameter: an operand read whole, at its own size
+      sliced.append(next(type_elements(t) for n, t, _, _ in instructions if n == name))
+  elements = max(sliced)
+  return elements if type_elements(result) <= elements else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,10 +355,10 @@ def profile(compiled: Any) -> Profile:
       kernels += 1
       operands = re.findall(r"%([\w.-]+)", rest.split("),")[0])
       read = [type_bytes(types.get(o, "")) for o in operands]
-      if _reads_a_slice(computations, rest):
-        # A loop fusion of elementwise ops and slices computes only its output's
-        # elements, so it reads at most as many of each operand.
-        elements = max(type_elements(result), 1)
+      elements = _sliced_elements(computations, result, rest)
+      if elements is not None:
+        # It computes only the sliced elements, so it reads at most as many of
+        # each operand.
         read = [
           min(b, elements * _element_bytes(types.get(o, "")))
           for b, o in zip(read, operands, strict=True)

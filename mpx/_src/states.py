@@ -87,7 +87,8 @@ class MixedPrecision24bitState(NamedTuple):
     nonfinite_steps: as in :class:`MixedPrecisionState`.
     stalled_steps: int32, the number of applied steps on which, at some leaf,
       the largest update was below the spacing of 24-bit masters at the
-      leaf's largest master (both over the leaf's first 4096 elements): a
+      leaf's largest master (both over the leaf's first elements: a 256th
+      of them, at least 256 and at most 4096): a
       learning rate too small for the largest weights, whose updates then
       round away or double.
       :func:`mpx.check_master_precision` raises on it.

@@ -239,15 +239,23 @@ class Remainder:
     return jnp.where(wraps, jnp.zeros_like(stored), stored)
 
 
-# How many elements of a leaf (its first, in row-major order: a matrix's first
+# The most elements of a leaf (its first, in row-major order: a matrix's first
 # rows, across every column) the stall check of ``Master24bit`` reads.
 STALL_SAMPLE = 4096
 
 
+def stall_sample(size: int) -> int:
+  """Returns how many of a leaf's ``size`` elements the stall check reads: a
+  256th of them, at least 256 (a smaller leaf whole) and at most
+  ``STALL_SAMPLE``. Where XLA:GPU writes the sample out (the update's, the
+  master's), it costs at most 2 x 4 bytes / 256 = 0.03 bytes a param."""
+  return min(size, STALL_SAMPLE, max(256, size // 256))
+
+
 def _largest(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-  """Returns the largest magnitude among the first ``STALL_SAMPLE`` elements of
+  """Returns the largest magnitude among the first ``stall_sample`` elements of
   each array, in one variadic reduction (which XLA:GPU fuses with the slice)."""
-  samples = [jnp.abs(jnp.ravel(x)[:STALL_SAMPLE]).astype(jnp.float32) for x in arrays]
+  samples = [jnp.abs(jnp.ravel(x)[: stall_sample(x.size)]).astype(jnp.float32) for x in arrays]
 
   def larger(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
