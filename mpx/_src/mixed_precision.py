@@ -99,8 +99,9 @@ def mixed_precision(
   moments_format = moments_lib.check_format(moments, moment_fields, seed, dtype)
   validation.check_transformation(inner)
   inner = optax.with_extra_args_support(inner)
-  # 4-bit codes are kept a nibble pair at a time on accelerators.
-  keep_codes = moments_lib.kept if moments_format.codes_4bit else None
+  # On accelerators 8- and 4-bit moments are kept codes first (4-bit ones a
+  # nibble pair at a time), then scales.
+  keep_codes = moments_lib.kept if moments_format.block_scaled else None
 
   def init_fn(params: optax.Params) -> Any:
     adapters.refuse_fp8_metadata("mixed_precision", params)

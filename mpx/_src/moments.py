@@ -257,11 +257,6 @@ class MomentsFormat:
   def field_names(self) -> tuple[str, ...]:
     return tuple(name for name, _ in self.fields)
 
-  @property
-  def codes_4bit(self) -> bool:
-    """Whether any field is coded in 4 bits."""
-    return any(code == "4bit" for _, code in self.formats)
-
   def kinds(self, inner_state: Any) -> list[MomentKind]:
     """Returns the moment kind of each leaf of ``inner_state`` (a state as the
     inner rule makes it, or its abstract shapes), in flattening order."""
@@ -489,6 +484,20 @@ def _paths_below(flat: list[tuple[Any, Any]], fields: Sequence[str]) -> list[str
   return out
 
 
+def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
+  """Returns zeros shaped like ``scales``, each read from its block's first code
+  byte: elementwise, so that it stays on the device that holds the block
+  wherever a mesh splits the moment (a scalar read from one element would
+  be reduced across devices). Zero itself (no order) for a layout whose
+  blocks do not tile the codes' last axis."""
+  *lead, width = codes.shape
+  blocks = scales.shape[-1] if scales.ndim else 0
+  if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
+    return jnp.zeros((), scales.dtype)
+  firsts = codes.reshape((*lead, blocks, width // blocks))[..., 0]
+  return jnp.isnan(firsts.astype(scales.dtype)).astype(scales.dtype)
+
+
 def _after(others: list[Any]) -> jax.Array:
   """Returns zero, read from one element of each of the step's other outputs.
 
@@ -640,13 +649,27 @@ def decompressed(stored_inner: Any) -> Any:
 
 
 def kept(applied: jax.Array, new: Any, old: Any) -> Any:
-  """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf; a
-  4-bit moment as :func:`moment_codes_4bit.kept` selects it (a skipped step
-  in the accelerator's program, ``verdict.run_if_finite``)."""
-  is_4bit = lambda x: isinstance(x, tuple(codes_4bit.STORED_TYPES.values()))  # noqa: E731
-  return jax.tree.map(
-    lambda n, o: codes_4bit.kept(applied, n, o) if is_4bit(n) else jnp.where(applied, n, o),
-    new,
-    old,
-    is_leaf=is_4bit,
-  )
+  """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
+  skipped step in the accelerator's program, ``verdict.run_if_finite``); an
+  8- or 4-bit moment's codes first (4-bit ones as
+  :func:`moment_codes_4bit.kept` selects them), then its scales, read after
+  the codes are written: the scales' select writes over the donated old
+  scales, which the coding kernel reads to decode the old moment, and
+  without the order XLA:GPU copies the old scales first (docs/design.md,
+  "Compressed moments at the byte floor")."""
+
+  def leaf(n: Any, o: Any) -> Any:
+    if not isinstance(n, BLOCK_SCALED_TYPES):
+      return jnp.where(applied, n, o)
+    if isinstance(n, tuple(codes_4bit.STORED_TYPES.values())):
+      codes = codes_4bit.kept(applied, n, o).codes
+    else:
+      codes = jnp.where(applied, n.codes, o.codes)
+    # Behind a barrier, so that XLA cannot compute the codes again for the
+    # zero (fused into the scales' select) instead of reading the coder's.
+    codes = jax.lax.optimization_barrier(codes)
+    scales = jnp.where(applied, n.scales, o.scales)
+    return type(n)(codes, jax.lax.add(scales, _zero_per_block(codes, scales)))
+
+  is_moment = lambda x: isinstance(x, BLOCK_SCALED_TYPES)  # noqa: E731
+  return jax.tree.map(leaf, new, old, is_leaf=is_moment)
