@@ -489,13 +489,17 @@ def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
   byte: elementwise, so that it stays on the device that holds the block
   wherever a mesh splits the moment (a scalar read from one element would
   be reduced across devices). Zero itself (no order) for a layout whose
-  blocks do not tile the codes' last axis."""
+  blocks do not tile the codes' last axis, or whose blocks an explicit mesh
+  splits (jax refuses to slice a sharded axis there)."""
   *lead, width = codes.shape
   blocks = scales.shape[-1] if scales.ndim else 0
   if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
     return jnp.zeros((), scales.dtype)
-  firsts = codes.reshape((*lead, blocks, width // blocks))[..., 0]
-  return jnp.isnan(firsts.astype(scales.dtype)).astype(scales.dtype)
+  blocked = codes.reshape((*lead, blocks, width // blocks))
+  spec = getattr(getattr(jax.typeof(blocked), "sharding", None), "spec", None) or ()
+  if len(spec) == blocked.ndim and spec[-1] is not None:
+    return jnp.zeros((), scales.dtype)
+  return jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
 
 
 def _after(others: list[Any]) -> jax.Array:
