@@ -351,16 +351,15 @@ def _pack(codes: jax.Array, per: int | None = None) -> jax.Array:
   return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape((*lead, n // 2))
 
 
-def kept(applied: jax.Array, new: FourBitMoment, old: FourBitMoment) -> FourBitMoment:
-  """Returns ``new`` where ``applied``, else ``old``, with the codes selected as
+def kept_codes(applied: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+  """Returns the packed codes ``new`` where ``applied``, else ``old``, selected as
   uint4 pairs: XLA:GPU then fuses the select into the kernel that codes
   ``new`` (packed by ``_pack_by_bitcast``) and writes it in place, where a
   select of the packed bytes is a kernel of its own that reads the new codes
   back from scratch (docs/design.md, "Compressed moments at the byte floor")."""
   nibbles = lambda codes: jax.lax.bitcast_convert_type(codes, jnp.uint4)  # noqa: E731
-  codes = jnp.where(applied, nibbles(new.codes), nibbles(old.codes))
-  scales = jnp.where(applied, new.scales, old.scales)
-  return type(new)(jax.lax.bitcast_convert_type(codes, jnp.uint8), scales)
+  codes = jnp.where(applied, nibbles(new), nibbles(old))
+  return jax.lax.bitcast_convert_type(codes, jnp.uint8)
 
 
 def _pack_by_bitcast(codes: jax.Array) -> jax.Array:

@@ -496,7 +496,8 @@ def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
   if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
     return jnp.zeros((), scales.dtype)
   blocked = codes.reshape((*lead, blocks, width // blocks))
-  spec = getattr(getattr(jax.typeof(blocked), "sharding", None), "spec", None) or ()
+  sharding = getattr(jax.typeof(blocked), "sharding", None)
+  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
   if len(spec) == blocked.ndim and spec[-1] is not None:
     return jnp.zeros((), scales.dtype)
   return jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
@@ -656,7 +657,7 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
   """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
   skipped step in the accelerator's program, ``verdict.run_if_finite``); an
   8- or 4-bit moment's codes first (4-bit ones as
-  :func:`moment_codes_4bit.kept` selects them), then its scales, read after
+  :func:`moment_codes_4bit.kept_codes` selects them), then its scales, read after
   the codes are written: the scales' select writes over the donated old
   scales, which the coding kernel reads to decode the old moment, and
   without the order XLA:GPU copies the old scales first (docs/design.md,
@@ -666,7 +667,7 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
     if not isinstance(n, BLOCK_SCALED_TYPES):
       return jnp.where(applied, n, o)
     if isinstance(n, tuple(codes_4bit.STORED_TYPES.values())):
-      codes = codes_4bit.kept(applied, n, o).codes
+      codes = codes_4bit.kept_codes(applied, n.codes, o.codes)
     else:
       codes = jnp.where(applied, n.codes, o.codes)
     # Behind a barrier, so that XLA cannot compute the codes again for the
