@@ -298,7 +298,7 @@ def _sliced_elements(computations: dict, result: str, rest: str) -> int | None:
   if not called:
     return None
   instructions = computations.get(called.group(2), [])
-  by_name = {name: (op, body) for name, _, op, body in instructions}
+  by_name = {name: (op, result, body) for name, result, op, body in instructions}
   ops = {op for _, _, op, _ in instructions}
   many = {"reduce", "reduce-window", "scatter", "dot", "convolution", "sort"}
   if "slice" not in ops:
@@ -313,11 +313,13 @@ def _sliced_elements(computations: dict, result: str, rest: str) -> int | None:
       continue
     operands = re.findall(r"%([\w.-]+)", body.split("),")[0])
     for name in operands[: len(operands) // 2]:  # the inputs; then the inits
-      while by_name.get(name, ("", ""))[0] in _ONE_FOR_ONE:
-        name = re.findall(r"%([\w.-]+)", by_name[name][1])[0]
-      if by_name.get(name, ("", ""))[0] not in ("slice", "parameter"):
-        return None  # a parameter: an operand read whole, at its own size
-      sliced.append(next(type_elements(t) for n, t, _, _ in instructions if n == name))
+      while by_name.get(name, ("", "", ""))[0] in _ONE_FOR_ONE:
+        name = re.findall(r"%([\w.-]+)", by_name[name][2])[0]
+      op, operand_type, _ = by_name.get(name, ("", "", ""))
+      # A slice, or a parameter: an operand the reduction reads whole, at its size.
+      if op not in ("slice", "parameter"):
+        return None
+      sliced.append(type_elements(operand_type))
   elements = max(sliced)
   return elements if type_elements(result) <= elements else None
 

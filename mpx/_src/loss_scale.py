@@ -93,6 +93,35 @@ class ScaleRule:
     scale = _scale("scale", scale)
     return cls(scale, 1.0, 1.0, 1, scale, scale, 1)
 
+  def check_state(self, state: LossScaleState) -> None:
+    """Raises a ValueError if a concrete ``state`` could not come from this
+    rule (a scale outside ``[min_scale, max_scale]``, a growth tracker past
+    the interval, a negative counter): a state restored into the wrong
+    settings, or edited by hand. Traced states (under ``jit``) are not seen.
+    ``validation.check_loss_scale_inputs`` calls it for every step."""
+    fields = (state.loss_scale, state.growth_tracker, state.overflow_streak, state.skipped_steps)
+    if any(isinstance(x, jax.core.Tracer) for x in fields):
+      return
+    scale, tracker = float(state.loss_scale), int(state.growth_tracker)
+    problems = []
+    if not self.min_scale <= scale <= self.max_scale:
+      problems.append(
+        f"loss_scale {scale} is outside [min_scale, max_scale] = "
+        f"[{self.min_scale}, {self.max_scale}]"
+      )
+    if not 0 <= tracker < self.growth_interval:
+      problems.append(
+        f"growth_tracker {tracker} is outside [0, growth_interval) = [0, {self.growth_interval})"
+      )
+    if int(state.overflow_streak) < 0 or int(state.skipped_steps) < 0:
+      problems.append("a counter is negative")
+    if problems:
+      raise ValueError(
+        "loss_scale: the state does not fit this transformation's settings: "
+        + "; ".join(problems)
+        + ". Was it made by another loss_scale, or restored into different settings?"
+      )
+
   def initial_state(self, inner_state: optax.OptState) -> LossScaleState:
     return LossScaleState(
       loss_scale=jnp.asarray(self.init_scale, jnp.float32),

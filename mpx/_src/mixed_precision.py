@@ -101,7 +101,7 @@ def mixed_precision(
   inner = optax.with_extra_args_support(inner)
   # On accelerators 8- and 4-bit moments are kept codes first (4-bit ones a
   # nibble pair at a time), then scales.
-  keep_codes = moments_lib.kept if moments_format.block_scaled else None
+  keep_moments = moments_lib.kept if moments_format.block_scaled else None
 
   def init_fn(params: optax.Params) -> Any:
     adapters.refuse_fp8_metadata("mixed_precision", params)
@@ -165,7 +165,7 @@ def mixed_precision(
       state.applied_steps,
       extra_args,
       scales,
-      select=keep_codes,
+      select=keep_moments,
     )
     # 4. After the skip: the param updates (they fuse into optax.apply_updates).
     param_updates = [

@@ -133,29 +133,7 @@ def check_loss_scale_inputs(
   against ``inner_init``'s. Returns whether any gradient is per-example."""
   if not isinstance(state, LossScaleState):
     raise _wrong_state_type("loss_scale", state, LossScaleState)
-  # A state restored into other settings, or edited by hand (traced states,
-  # under jit, are not seen).
-  fields = (state.loss_scale, state.growth_tracker, state.overflow_streak, state.skipped_steps)
-  if not any(isinstance(x, jax.core.Tracer) for x in fields):
-    scale, tracker = float(state.loss_scale), int(state.growth_tracker)
-    problems = []
-    if not rule.min_scale <= scale <= rule.max_scale:
-      problems.append(
-        f"loss_scale {scale} is outside [min_scale, max_scale] = "
-        f"[{rule.min_scale}, {rule.max_scale}]"
-      )
-    if not 0 <= tracker < rule.growth_interval:
-      problems.append(
-        f"growth_tracker {tracker} is outside [0, growth_interval) = [0, {rule.growth_interval})"
-      )
-    if int(state.overflow_streak) < 0 or int(state.skipped_steps) < 0:
-      problems.append("a counter is negative")
-    if problems:
-      raise ValueError(
-        "loss_scale: the state does not fit this transformation's settings: "
-        + "; ".join(problems)
-        + ". Was it made by another loss_scale, or restored into different settings?"
-      )
+  rule.check_state(state)
   # Gradients varying over an axis that neither axis_name reduces nor the loss
   # scale varies over: each device would skip on its own verdict.
   axes = varying_axes(grads)
