@@ -288,8 +288,8 @@ _ONE_FOR_ONE = {"abs", "bitcast", "convert", "copy", "negate", "reshape"}
 
 def _sliced_elements(computations: dict, result: str, rest: str) -> int | None:
   """Returns how many elements of each operand a fusion reads where it computes
-  only a slice of them, else None: ``mpx``'s sampled checks (a leaf's first
-  elements of the update and the master), as a loop fusion that slices and
+  only a slice of them, else None: ``mpx``'s sampled checks (a strided sample
+  of the update and the master), as a loop fusion that slices and
   computes each output element from one element of each operand, or as an
   input fusion whose every reduction reads a slice and whose only outputs are
   the reductions' (XLA:GPU computes the operands at the sliced indices alone);

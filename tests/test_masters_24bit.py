@@ -2,6 +2,8 @@
 float32 arithmetic done here in numpy, and the check that refuses a step too
 small for the masters."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import optax
 import pytest
 
 import mpx
-from mpx._src import lowering, rounding
+from mpx._src import lowering, rounding, storage
 
 
 def np_round_to_24bit(x: np.ndarray) -> np.ndarray:
@@ -185,3 +187,35 @@ def test_the_stall_count_is_the_same_in_both_programs(form):
     _, state = step(grads, state, bigger)
   assert (int(state.applied_steps), int(state.nonfinite_steps)) == (2, 1)
   assert int(state.stalled_steps) == 1
+
+
+@pytest.mark.parametrize(
+  "shape",
+  [(4096, 11008), (50257, 768), (3, 1024, 768), (1024, 512), (32, 1024), (768,), (65536,)],
+  ids=str,
+)
+def test_the_stall_sample_spans_the_leaf_and_splits_evenly_over_8_devices(shape):
+  """The sample holds about a 256th of the leaf (at most ``stall_sample``),
+  reaches into the second half of each dimension it strides, and along each
+  dimension 8 devices can split (ZeRO-1) puts an equal share on each."""
+  size = math.prod(shape)
+  strides = storage.stall_strides(shape)
+  counts = [-(-n // s) for n, s in zip(shape, strides, strict=True)]
+  assert storage.stall_sample(size) // 4 <= math.prod(counts) <= storage.stall_sample(size)
+  for n, stride, count in zip(shape, strides, counts, strict=True):
+    if count > 1:
+      assert (count - 1) * stride >= n // 2, (n, stride)
+    if n % 8 == 0:
+      assert (n // 8) % stride == 0, (n, stride)  # each device's rows start on a sample
+
+
+def test_the_stall_check_sees_a_leaf_whose_large_weights_are_in_its_last_rows():
+  """A leaf whose first quarter is small and whose other rows are large: the
+  largest master is read where it is, not in the first elements alone."""
+  small = np.full((64, 512), 0.01, np.float32)
+  small[16:] = 300.0
+  params = {"w": jnp.asarray(small, jnp.bfloat16)}
+  tx = mpx.mixed_precision(optax.sgd(1e-3), masters="24bit")
+  state = tx.init(params)
+  _, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+  assert int(state.stalled_steps) == 1  # 1e-3 is below the 24-bit spacing at 300

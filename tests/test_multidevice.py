@@ -4,6 +4,7 @@ Runs in this process on the 8 host CPU devices that conftest.py asks XLA for.
 Collectives are counted in the compiled HLO, by kind.
 """
 
+import math
 import re
 
 import jax
@@ -14,6 +15,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from lowering_forms import forced
 from treecheck import tree_equal
 
 import mpx
@@ -114,14 +116,19 @@ def sharded_step(tx, mesh, param_shardings, state_shardings):
   )
 
 
-def compiled_collectives(tx, params, mesh, layout, zero_axis=None):
+def sharded_step_text(tx, params, mesh, layout="dp", zero_axis="data"):
+  """Returns the compiled text of the documented step (``sharded_step``)."""
   params, param_shardings = place(params, mesh, layout)
   state_shardings = zero1_shardings(tx, params, mesh, axis=zero_axis)
   step = sharded_step(tx, mesh, param_shardings, state_shardings)
   state = jax.eval_shape(tx.init, params)
   x = jax.ShapeDtypeStruct((32, 16), jnp.float32)
   y = jax.ShapeDtypeStruct((32, 8), jnp.float32)
-  return count_collectives(step.lower(params, state, x, y).compile().as_text())
+  return step.lower(params, state, x, y).compile().as_text()
+
+
+def compiled_collectives(tx, params, mesh, layout, zero_axis=None):
+  return count_collectives(sharded_step_text(tx, params, mesh, layout, zero_axis))
 
 
 def train(tx, params, mesh, layout, zero_axis, xs, ys):
@@ -334,6 +341,35 @@ def test_zero1_divides_state_memory_and_trains_bitwise_like_replicated(mesh_shap
     plain = compiled_collectives(optax.adam(1e-2), fp32_params(), mesh, layout, "data")
     extra = {"all-reduce": 1} if layout == "tp" else {}
     assert mixed == {k: plain[k] + extra.get(k, 0) for k in COLLECTIVES}, (mixed, plain)
+
+
+@pytest.mark.parametrize(
+  "form",
+  [pytest.param(None, id="CPU form", marks=pytest.mark.slow), pytest.param("gpu", id="GPU form")],
+)
+def test_zero1_24bit_stall_check_reads_each_devices_own_shard(form):
+  """The 24-bit masters' stall check samples every dimension evenly, so under
+  ZeRO-1 each device reduces a sample of its own rows and the step adds only
+  the gathers of one maximum a device to the remainder masters' collectives.
+  A sample of each leaf's first elements sat on the first devices and was
+  sent to the rest (12 collective-permutes on this tree)."""
+  mesh = make_mesh((8,))
+  params = low_precision(fp32_params(), jnp.bfloat16)
+  with forced(form):
+    steps = {
+      masters: sharded_step_text(
+        mpx.mixed_precision(optax.adamw(1e-2), masters=masters), params, mesh
+      )
+      for masters in ("remainder", "24bit")
+    }
+  found = {masters: count_collectives(text) for masters, text in steps.items()}
+  gathered = re.findall(r"= f32\[([\d,]*)\]\S* all-gather(?:-start)?\(", steps["24bit"])
+  maxima = sum(1 for dims in gathered if math.prod(map(int, dims.split(","))) == mesh.size)
+  assert found["24bit"]["collective-permute"] == 0, found
+  assert maxima > 0 and found["24bit"] == {
+    **found["remainder"],
+    "all-gather": found["remainder"]["all-gather"] + maxima,
+  }, found
 
 
 # --- shard_map and pmap: axis_name -----------------------------------------

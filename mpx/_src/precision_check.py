@@ -21,9 +21,10 @@ def check_master_precision(opt_state: optax.OptState) -> None:
   spacing of 24-bit values at a weight is lost, and one below the spacing is
   rounded to a step of twice its size or to none. Each step counts, in the
   state's ``stalled_steps``, whether at some leaf the largest update was
-  below the spacing at that leaf's largest master (both over the leaf's
-  first elements, a 256th of them, at least 256 and at most 4096, so that
-  no whole leaf is read): the learning rate can no
+  below the spacing at that leaf's largest master (both over a sample
+  spread evenly over every dimension of the leaf, a 256th of it, at least
+  256 elements and at most 4096, so that no whole leaf is read): the
+  learning rate can no
   longer move the largest weights (the check FlashOptim makes of its
   24-bit masters, here made of the updates themselves, inside the jitted
   step). Counting costs no host sync; this check reads the count, so call it

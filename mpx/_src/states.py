@@ -87,8 +87,9 @@ class MixedPrecision24bitState(NamedTuple):
     nonfinite_steps: as in :class:`MixedPrecisionState`.
     stalled_steps: int32, the number of applied steps on which, at some leaf,
       the largest update was below the spacing of 24-bit masters at the
-      leaf's largest master (both over the leaf's first elements: a 256th
-      of them, at least 256 and at most 4096): a
+      leaf's largest master (both over a sample spread evenly over every
+      dimension of the leaf: a 256th of it, at least 256 elements and at
+      most 4096): a
       learning rate too small for the largest weights, whose updates then
       round away or double.
       :func:`mpx.check_master_precision` raises on it.

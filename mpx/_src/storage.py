@@ -8,6 +8,7 @@ table of kinds: docs/design.md, "The storage kinds".
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -239,29 +240,77 @@ class Remainder:
     return jnp.where(wraps, jnp.zeros_like(stored), stored)
 
 
-# The most elements of a leaf (its first, in row-major order: a matrix's first
-# rows, across every column) the stall check of ``Master24bit`` reads.
+# The most elements of a leaf the stall check of ``Master24bit`` reads.
 STALL_SAMPLE = 4096
 
 
 def stall_sample(size: int) -> int:
-  """Returns how many of a leaf's ``size`` elements the stall check reads: a
-  256th of them, at least 256 (a smaller leaf whole) and at most
+  """Returns how many of a leaf's ``size`` elements the stall check aims to
+  read: a 256th of them, at least 256 (a smaller leaf whole) and at most
   ``STALL_SAMPLE``. Where XLA:GPU writes the sample out (the update's, the
   master's), it costs at most 2 x 4 bytes / 256 = 0.03 bytes a param."""
   return min(size, STALL_SAMPLE, max(256, size // 256))
 
 
+def stall_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """Returns the strides, one a dimension, of the stall check's sample of a
+  leaf of ``shape``: spread evenly over every dimension, at most
+  ``stall_sample`` elements.
+
+  The counts along the dimensions grow in turn by the smallest factor that
+  keeps each count a divisor of its dimension: then a dimension split
+  evenly over the devices (ZeRO-1 on a power-of-two mesh axis) holds its
+  share of the sample on each device, and the check moves no data between
+  them. A leaf whose dimensions have no small factors (a prime length) is
+  sampled with uneven strides instead, where that alone reaches a quarter of
+  the aim.
+
+  Example:
+    >>> stall_strides((1024, 512))  # 64 rows x 32 columns: 2048, a 256th
+    (16, 16)
+    >>> stall_strides((100,))  # under 256 elements: the whole leaf
+    (1,)
+  """
+  target = stall_sample(math.prod(shape))
+  counts = [1] * len(shape)
+
+  def sampled(counts: list[int]) -> int:
+    return math.prod(-(-n // (n // c)) for n, c in zip(shape, counts, strict=True))
+
+  def grow(factor: Callable[[int, int], int]) -> None:
+    grown = True
+    while grown:
+      grown = False
+      for d, n in enumerate(shape):
+        larger = [*counts[:d], counts[d] * factor(n, counts[d]), *counts[d + 1 :]]
+        if counts[d] < larger[d] <= n and sampled(larger) <= target:
+          counts[d], grown = larger[d], True
+
+  grow(lambda n, count: _smallest_factor(n // count))
+  if sampled(counts) < target // 4:
+    grow(lambda n, count: 2)
+  return tuple(n // c for n, c in zip(shape, counts, strict=True))
+
+
+def _smallest_factor(n: int) -> int:
+  """Returns the smallest factor of ``n`` above 1 (``n`` itself if prime; 1 for 1)."""
+  return next((f for f in range(2, math.isqrt(n) + 1) if n % f == 0), n)
+
+
 def _largest(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-  """Returns the largest magnitude among the first ``stall_sample`` elements of
-  each array, in one variadic reduction (which XLA:GPU fuses with the slice)."""
-  samples = [jnp.abs(jnp.ravel(x)[: stall_sample(x.size)]).astype(jnp.float32) for x in arrays]
+  """Returns the largest magnitude in each array's stall sample (``stall_strides``),
+  in one variadic reduction (which XLA:GPU fuses with the strided slices)."""
+  samples = [
+    jnp.abs(jax.lax.slice(x, (0,) * x.ndim, x.shape, stall_strides(x.shape))).astype(jnp.float32)
+    for x in arrays
+  ]
 
   def larger(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
 
   zeros = tuple(np.float32(0) for _ in samples)
-  return tuple(jax.lax.reduce(tuple(samples), zeros, larger, (0,)))
+  axes = tuple(range(samples[0].ndim))
+  return tuple(jax.lax.reduce(tuple(samples), zeros, larger, axes))
 
 
 class Landed24bit(NamedTuple):
