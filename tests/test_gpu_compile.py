@@ -143,8 +143,9 @@ SWEEP_NAMES = [
 ]
 MIXED_24BIT_SCRATCH_WHY = (
   "24-bit masters with 8-bit mu and 4-bit nu at 64K: 0.110 B/param of scratch, the "
-  "per-field moments' 0.091 (as with remainder masters) and the stall check's sample and "
-  "maxima (1280 bytes, 0.020 B/param at 64K; under 0.1 in all from 512K on)"
+  "per-field moments' 0.091 (as with remainder masters) and five scalars in 256-byte slots "
+  "(1280 bytes, 0.020 B/param at 64K: two counters' copies, the stall flag, the sample's "
+  "maxima, a barrier's tuple; under 0.1 in all from 512K on)"
 )
 
 
