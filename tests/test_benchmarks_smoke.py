@@ -502,3 +502,12 @@ def test_gpu_bit_forms_runs_and_agrees_on_any_device(capsys):
   rows = [line for line in capsys.readouterr().out.splitlines() if "bytes differ" in line]
   assert len(rows) == len(gpu_bit_forms._forms())
   assert all(line.split()[0] == "0" for line in rows), rows
+
+
+# --- benchmarks/init_time.py: eager init against jitted -------------------------------------
+
+
+def test_init_time_prints_a_row_per_moments_format():
+  stdout = run_smoke(ROOT / "benchmarks" / "init_time.py")
+  rows = [line.split("|")[1].strip() for line in stdout.splitlines() if line.startswith("| ")]
+  assert rows[1:] == ["full", "8bit", "4bit"], stdout

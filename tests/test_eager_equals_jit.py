@@ -76,6 +76,24 @@ def test_eager_and_jitted_steps_compute_the_same_bits_in_every_mode():
   )
 
 
+@pytest.mark.parametrize("moments", ["8bit", "4bit"])
+def test_an_eager_init_codes_the_moments_as_the_jitted_one(moments):
+  """Eagerly, init codes each compressed moment by one jitted call a leaf;
+  under jit the coder is part of init's program. Both store the same bits,
+  here for moments that start at adagrad's 0.1 rather than at zero."""
+  params = {"w": jnp.ones((16, 256), jnp.bfloat16), "b": jnp.ones((8,), jnp.bfloat16)}
+  tx = mpx.mixed_precision(optax.adagrad(0.1), masters="remainder", moments=moments)
+  eager, jitted = tx.init(params), jax.jit(tx.init)(params)
+  assert float(mpx.inner_state(eager)[0].sum_of_squares["w"][0, 0]) == np.float32(0.1)
+  assert tree_equal(eager, jitted)
+
+
+@pytest.mark.slow
+def test_an_eager_init_is_the_jitted_one_in_every_mode():
+  tx, params, _ = _partitioned_modes()
+  assert tree_equal(tx.init(params), jax.jit(tx.init)(params))
+
+
 def test_an_eager_float16_step_under_loss_scale_is_the_jitted_one():
   rng = np.random.default_rng(2)
   params = {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float16)}

@@ -114,7 +114,7 @@ def mixed_precision(
       kind.init(param, sources, index, seed)
       for index, (kind, param) in enumerate(zip(kinds, flat, strict=True))
     ]
-    masters = [kind.view(s, p) for kind, s, p in zip(kinds, stored, flat, strict=True)]
+    masters = [storage.viewed(kind, s, p) for kind, s, p in zip(kinds, stored, flat, strict=True)]
     inner_state = tree_lib.strong_types(inner.init(treedef.unflatten(masters)))
     _refuse_loss_scale_inside(inner_state)
     moments_format.check_fields_exist(inner_state)
@@ -496,7 +496,7 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
   for state in states:
     mode = storage.MODE_OF_STATE[type(state)]
     try:
-      result = mode.map_stored(lambda kind, stored, param: kind.view(stored, param), state, result)
+      result = mode.map_stored(storage.viewed, state, result)
     except ValueError as error:
       raise ValueError(
         "master_params: params do not match the masters in opt_state: pass the params "

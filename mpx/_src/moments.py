@@ -7,6 +7,7 @@ A :class:`MomentKind` per leaf of the inner state stores it between steps;
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -130,8 +131,8 @@ class Bfloat16Compressed:
   def decompress(self, stored: Bfloat16Moment) -> jax.Array:
     return moment_codes.decode_bfloat16(stored.values)
 
-  def compress(self, value: jax.Array, applied_steps: jax.Array) -> Bfloat16Moment:
-    key = jnp.uint32(self.key)
+  def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Bfloat16Moment:
+    key = jnp.uint32(self.key) if key is None else key
     values = moment_codes.encode_bfloat16(value, key, applied_steps, stochastic=True)
     return Bfloat16Moment(values)
 
@@ -156,8 +157,10 @@ class EightBitCompressed:
   def decompress(self, stored: moment_codes.EightBitMoment) -> jax.Array:
     return moment_codes.decode(stored)
 
-  def compress(self, value: jax.Array, applied_steps: jax.Array) -> moment_codes.EightBitMoment:
-    key = jnp.uint32(self.key)
+  def compress(
+    self, value: jax.Array, applied_steps: jax.Array, key: Any = None
+  ) -> moment_codes.EightBitMoment:
+    key = jnp.uint32(self.key) if key is None else key
     return moment_codes.encode(value, self.sign, key, applied_steps, stochastic=True)
 
   def block_size(self, shape: tuple[int, ...]) -> int | None:
@@ -198,8 +201,10 @@ class FourBitCompressed:
   def decompress(self, stored: codes_4bit.FourBitMoment) -> jax.Array:
     return codes_4bit.decode(stored)
 
-  def compress(self, value: jax.Array, applied_steps: jax.Array) -> codes_4bit.FourBitMoment:
-    key = jnp.uint32(self.key)
+  def compress(
+    self, value: jax.Array, applied_steps: jax.Array, key: Any = None
+  ) -> codes_4bit.FourBitMoment:
+    key = jnp.uint32(self.key) if key is None else key
     return codes_4bit.encode(value, self.sign, key, applied_steps, stochastic=True)
 
   def block_size(self, shape: tuple[int, ...]) -> int | None:
@@ -232,6 +237,22 @@ def _magnitude(value: jax.Array, sign: Sign) -> jax.Array:
 
 
 BLOCK_SCALED = (EightBitCompressed, FourBitCompressed)
+
+
+def _coded(kind: Any, value: Any, applied_steps: jax.Array) -> Any:
+  """Returns ``kind.compress(value, applied_steps)``. Called eagerly (an init
+  outside ``jit``), a compressed leaf is coded by one jitted call, cached by
+  shape across leaves and transformations: op by op, each of the coder's
+  operations would be dispatched, and compiled for each new shape, alone."""
+  if not kind.compressed or any(isinstance(x, jax.core.Tracer) for x in (value, applied_steps)):
+    return kind.compress(value, applied_steps)
+  key = jnp.uint32(kind.key)
+  return _compress_jitted(dataclasses.replace(kind, key=0), value, applied_steps, key)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _compress_jitted(kind: Any, value: jax.Array, applied_steps: jax.Array, key: jax.Array) -> Any:
+  return kind.compress(value, applied_steps, key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +370,7 @@ class MomentsFormat:
         # An element of a sharded output would be all-gathered.
         cpu_needs_one_device=True,
       )
-    stored = [k.compress(v, step) for k, v in zip(kinds, flat, strict=True)]
+    stored = [_coded(k, v, step) for k, v in zip(kinds, flat, strict=True)]
     return jax.tree.unflatten(treedef, stored)
 
   def stored_scales(self, stored_inner: Any) -> list[jax.Array | None]:

@@ -8,6 +8,7 @@ table of kinds: docs/design.md, "The storage kinds".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -238,6 +239,22 @@ class Remainder:
     negative remainder (see ``join``); any other edit the master follows."""
     wraps = rounding.wraps(jnp.asarray(param), stored)
     return jnp.where(wraps, jnp.zeros_like(stored), stored)
+
+
+def viewed(kind: Any, stored: Any, param: Any) -> Any:
+  """Returns ``kind.view(stored, param)``, the leaf's float32 master. Called
+  eagerly (``init``, ``mpx.master_params``), one jitted call a leaf, cached by
+  kind and shape: op by op, each of the view's operations would be
+  dispatched, and compiled for each new shape, alone."""
+  arrays = (stored, param)
+  if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in arrays):
+    return _view_jitted(kind, stored, param)
+  return kind.view(stored, param)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _view_jitted(kind: Any, stored: jax.Array, param: jax.Array) -> Any:
+  return kind.view(stored, param)
 
 
 # The most elements of a leaf the stall check of ``Master24bit`` reads.
