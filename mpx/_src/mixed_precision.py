@@ -111,7 +111,7 @@ def mixed_precision(
     compat.check_float8_supported({getattr(p, "dtype", None) for p in flat})
     kinds = [mode.kind_for(param, dtype, path) for path, param in zip(paths, flat, strict=True)]
     stored = [
-      kind.init(param, sources, index, seed)
+      storage.initialized(kind, param, sources, index, seed)
       for index, (kind, param) in enumerate(zip(kinds, flat, strict=True))
     ]
     masters = [storage.viewed(kind, s, p) for kind, s, p in zip(kinds, stored, flat, strict=True)]

@@ -241,6 +241,24 @@ class Remainder:
     return jnp.where(wraps, jnp.zeros_like(stored), stored)
 
 
+def initialized(kind: Any, param: Any, sources: Sources, index: int, seed: int) -> Any:
+  """Returns ``kind.init(param, sources, index, seed)``. Called eagerly, a
+  master made from the leaf's full-precision source (``Copy``,
+  ``Remainder`` and their subclasses, which read neither index nor seed) is
+  made by one jitted call a leaf, cached by kind and shape, as ``viewed``
+  views it."""
+  if isinstance(kind, Copy | Remainder):
+    source = sources(param)
+    if isinstance(source, jax.Array) and not isinstance(source, jax.core.Tracer):
+      return _init_jitted(kind, source)
+  return kind.init(param, sources, index, seed)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_jitted(kind: Any, source: jax.Array) -> Any:
+  return kind.init(source, lambda leaf: leaf, 0, 0)
+
+
 def viewed(kind: Any, stored: Any, param: Any) -> Any:
   """Returns ``kind.view(stored, param)``, the leaf's float32 master. Called
   eagerly (``init``, ``mpx.master_params``), one jitted call a leaf, cached by
