@@ -4,9 +4,9 @@ Each moments format's ``mixed_precision`` on one tree of bf16 leaves (three
 copies of 8 transformer-like shapes), in a fresh process per format: the
 first call (which compiles) and a repeat, eagerly and under ``jax.jit``.
 Eagerly, init makes and views each master and codes each compressed moment
-by one jitted call a leaf, cached by shape (``storage.initialized``,
-``storage.viewed``, ``moments._coded``). ``--smoke``: one copy of smaller
-shapes.
+by one jitted call a leaf, cached by shape (``tree.jitted_when_eager``, from
+``storage.initialized``, ``storage.viewed`` and ``moments._coded``).
+``--smoke``: one copy of smaller shapes.
 """
 
 from __future__ import annotations

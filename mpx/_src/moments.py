@@ -7,7 +7,6 @@ A :class:`MomentKind` per leaf of the inner state stores it between steps;
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -240,19 +239,14 @@ BLOCK_SCALED = (EightBitCompressed, FourBitCompressed)
 
 
 def _coded(kind: Any, value: Any, applied_steps: jax.Array) -> Any:
-  """Returns ``kind.compress(value, applied_steps)``. Called eagerly (an init
-  outside ``jit``), a compressed leaf is coded by one jitted call, cached by
-  shape across leaves and transformations: op by op, each of the coder's
-  operations would be dispatched, and compiled for each new shape, alone."""
-  if not kind.compressed or any(isinstance(x, jax.core.Tracer) for x in (value, applied_steps)):
+  """Returns ``kind.compress(value, applied_steps)``; eagerly (an init outside
+  ``jit``) in one jitted call (``tree.jitted_when_eager``), the leaf's key an
+  argument rather than a constant, so that one compile serves every leaf of a
+  shape."""
+  if not kind.compressed:
     return kind.compress(value, applied_steps)
-  key = jnp.uint32(kind.key)
-  return _compress_jitted(dataclasses.replace(kind, key=0), value, applied_steps, key)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _compress_jitted(kind: Any, value: jax.Array, applied_steps: jax.Array, key: jax.Array) -> Any:
-  return kind.compress(value, applied_steps, key)
+  keyless, key = dataclasses.replace(kind, key=0), jnp.uint32(kind.key)
+  return tree_lib.jitted_when_eager(type(kind).compress, keyless, value, applied_steps, key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,6 @@ table of kinds: docs/design.md, "The storage kinds".
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -242,37 +241,22 @@ class Remainder:
 
 
 def initialized(kind: Any, param: Any, sources: Sources, index: int, seed: int) -> Any:
-  """Returns ``kind.init(param, sources, index, seed)``. Called eagerly, a
-  master made from the leaf's full-precision source (``Copy``,
-  ``Remainder`` and their subclasses, which read neither index nor seed) is
-  made by one jitted call a leaf, cached by kind and shape, as ``viewed``
-  views it."""
+  """Returns ``kind.init(param, sources, index, seed)``; eagerly, a master made
+  from the leaf's source (``Copy``, ``Remainder`` and their subclasses, which
+  read neither index nor seed) in one jitted call (``tree.jitted_when_eager``)."""
   if isinstance(kind, Copy | Remainder):
-    source = sources(param)
-    if isinstance(source, jax.Array) and not isinstance(source, jax.core.Tracer):
-      return _init_jitted(kind, source)
+    return tree_lib.jitted_when_eager(_init_from, kind, sources(param))
   return kind.init(param, sources, index, seed)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init_jitted(kind: Any, source: jax.Array) -> Any:
+def _init_from(kind: Copy | Remainder, source: Any) -> Any:
   return kind.init(source, lambda leaf: leaf, 0, 0)
 
 
 def viewed(kind: Any, stored: Any, param: Any) -> Any:
-  """Returns ``kind.view(stored, param)``, the leaf's float32 master. Called
-  eagerly (``init``, ``mpx.master_params``), one jitted call a leaf, cached by
-  kind and shape: op by op, each of the view's operations would be
-  dispatched, and compiled for each new shape, alone."""
-  arrays = (stored, param)
-  if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in arrays):
-    return _view_jitted(kind, stored, param)
-  return kind.view(stored, param)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _view_jitted(kind: Any, stored: jax.Array, param: jax.Array) -> Any:
-  return kind.view(stored, param)
+  """Returns ``kind.view(stored, param)``, the leaf's float32 master; eagerly
+  (``init``, ``mpx.master_params``) in one jitted call (``tree.jitted_when_eager``)."""
+  return tree_lib.jitted_when_eager(type(kind).view, kind, stored, param)
 
 
 # The most elements of a leaf the stall check of ``Master24bit`` reads.

@@ -1,11 +1,13 @@
 """Pytree helpers for mixed precision: leaf types, holes, selection and casting
-(saturating, and rounding in a form XLA keeps).
+(saturating, and rounding in a form XLA keeps), and one jitted call per leaf
+for eager callers.
 
 Only floating leaves are cast; counters, booleans and PRNG keys pass through.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -235,3 +237,19 @@ def strong_types(tree: PyTree) -> PyTree:
     return x
 
   return jax.tree.map(strong, tree)
+
+
+def jitted_when_eager(fn: Callable[..., Any], static: Any, *arrays: Any) -> Any:
+  """Returns ``fn(static, *arrays)``. Outside a trace (an eager ``init`` or
+  ``mpx.master_params``) it is one jitted call, cached by ``fn``, ``static``
+  (hashable) and the arrays' shapes: op by op, jax dispatches each operation
+  alone and compiles it for each new shape. Under a trace, or given anything
+  but jax arrays, ``fn`` is called as it is."""
+  if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in arrays):
+    return _jitted(fn, static, *arrays)
+  return fn(static, *arrays)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jitted(fn: Callable[..., Any], static: Any, *arrays: jax.Array) -> Any:
+  return fn(static, *arrays)
