@@ -25,13 +25,16 @@ PACKAGE = Path(mpx.__file__).resolve().parent
 _COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
 
-def trace_step() -> list[tuple[str, str]]:
-  """Returns the ``(file, function)`` of every mpx call made while tracing."""
+def trace_step() -> list[tuple[str, str, bool]]:
+  """Returns the ``(file, function, checking)`` of every mpx call made while
+  tracing; ``checking``: made inside a trace-time check (a frame of
+  validation.py on the stack, the call's own included)."""
   params = {"w": jnp.ones((64, 64), jnp.float16), "b": jnp.zeros(64, jnp.float16)}
   tx = mpx.loss_scale(mpx.mixed_precision(optax.adamw(1e-3)))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
-  calls: list[tuple[str, str]] = []
+  calls: list[tuple[str, str, bool]] = []
+  checks = str(PACKAGE / "_src" / "validation.py")
 
   def profile(frame: FrameType, event: str, arg: Any) -> None:
     del arg
@@ -40,7 +43,10 @@ def trace_step() -> list[tuple[str, str]]:
     path = Path(frame.f_code.co_filename)
     name = frame.f_code.co_qualname
     if path.is_relative_to(PACKAGE) and not name.endswith(_COMPREHENSIONS):
-      calls.append((str(path.relative_to(PACKAGE)), name))
+      outer: FrameType | None = frame
+      while outer is not None and outer.f_code.co_filename != checks:
+        outer = outer.f_back
+      calls.append((str(path.relative_to(PACKAGE)), name, outer is not None))
 
   step = jax.jit(tx.update)
   sys.setprofile(profile)
@@ -76,13 +82,19 @@ def main() -> None:
   args = parser.parse_args()
   root = Path(args.root)
   calls = trace_step()
-  files = sorted({f for f, _ in calls})
-  functions = sorted(set(calls))
+  files = sorted({f for f, _, _ in calls})
+  functions = sorted({(f, name) for f, name, _ in calls})
+  # A function every call of which is made inside a check serves the checks alone.
+  outside = {(f, name) for f, name, checking in calls if not checking}
   switches = sum(1 for a, b in itertools.pairwise(calls) if a[0] != b[0])
-  print(f"fp16 step: {len(files)} files, {len(functions)} functions, {switches} calls across files")
+  print(
+    f"fp16 step: {len(files)} files, {len(functions)} functions ({len(outside)} outside "
+    f"the trace-time checks, {len(functions) - len(outside)} only inside them), "
+    f"{switches} calls across files"
+  )
   if args.list:
     for f, name in functions:
-      print(f"  {f}:{name}")
+      print(f"  {f}:{name}" + ("" if (f, name) in outside else "  (checks only)"))
   module_total, public = docstrings(root)
   print(f"module docstrings: {module_total} lines")
   print("longest public docstrings: " + ", ".join(f"{name} {n}" for n, name in public[:4]))

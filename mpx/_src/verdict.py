@@ -105,7 +105,15 @@ def gradients_finite(grads: list[Any], dtypes: list[Any], unscaling: Unscaling |
     grad = jnp.asarray(grad)
     narrows = dtype is not None and jnp.finfo(dtype).max < jnp.finfo(grad.dtype).max
     to_check.append(received(grad, dtype, unscaling) if narrows or not shrinks else grad)
-  return agreed(all_finite(to_check), None if unscaling is None else unscaling.axis_name)
+  # The sums and folds read leaves whole: on several devices they would
+  # gather leaves a mesh splits, so they are XLA:CPU's form on one device.
+  finite = lowering.by_platform(
+    to_check,
+    cpu=_single_cpu,
+    accelerator=lambda leaves: _all([jnp.isfinite(x).all() for x in leaves]),
+    cpu_needs_one_device=True,
+  )
+  return agreed(finite, None if unscaling is None else unscaling.axis_name)
 
 
 def agreed(finite: jax.Array, axis_name: Any) -> jax.Array:
@@ -122,7 +130,9 @@ def all_finite(tree: tree_lib.PyTree) -> jax.Array:
   tree is finite. The result stays on device, so it can steer ``jnp.where`` or
   ``lax.cond`` inside ``jit`` without a host sync. Host values (numpy arrays,
   Python floats) are checked on the host as they are: made a jax array, a
-  float64 value would first be narrowed to float32 (1e300 to inf).
+  float64 value would first be narrowed to float32 (1e300 to inf). Device
+  arrays are read as a step reads its gradients without a loss scale
+  (``gradients_finite``).
 
   Args:
     tree: any pytree of arrays.
@@ -145,14 +155,7 @@ def all_finite(tree: tree_lib.PyTree) -> jax.Array:
   if not all(bool(np.isfinite(x).all()) for x in on_host):
     return jnp.asarray(False)
   on_device = [x for x in leaves if not isinstance(x, np.ndarray | np.generic | float)]
-  # The sums and folds read leaves whole: on several devices they would
-  # gather leaves a mesh splits, so they are XLA:CPU's form on one device.
-  return lowering.by_platform(
-    on_device,
-    cpu=_single_cpu,
-    accelerator=lambda leaves: _all([jnp.isfinite(x).all() for x in leaves]),
-    cpu_needs_one_device=True,
-  )
+  return gradients_finite(on_device, [None] * len(on_device), None)
 
 
 def run_if_finite(
