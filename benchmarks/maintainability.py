@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,28 @@ def trace_step() -> list[tuple[str, str, bool]]:
   return calls
 
 
+class StepPath(NamedTuple):
+  """One traced step's path, as ``main`` prints it."""
+
+  files: list[str]
+  functions: list[tuple[str, str]]  # (file, function), sorted
+  checks_only: set[tuple[str, str]]  # the functions only the checks call
+  switches: int  # calls from one file into another
+
+
+def step_path(calls: list[tuple[str, str, bool]]) -> StepPath:
+  """Summarises ``trace_step``'s calls."""
+  functions = sorted({(f, name) for f, name, _ in calls})
+  # A function every call of which is made inside a check serves the checks alone.
+  outside = {(f, name) for f, name, checking in calls if not checking}
+  return StepPath(
+    sorted({f for f, _, _ in calls}),
+    functions,
+    set(functions) - outside,
+    sum(1 for a, b in itertools.pairwise(calls) if a[0] != b[0]),
+  )
+
+
 def docstring_lines(node: ast.AST) -> int:
   """Returns the lines of ``node``'s docstring (0 without one)."""
   text = ast.get_docstring(node, clean=True)  # type: ignore[arg-type]
@@ -81,20 +103,16 @@ def main() -> None:
   parser.add_argument("--list", action="store_true", help="print every function of the step")
   args = parser.parse_args()
   root = Path(args.root)
-  calls = trace_step()
-  files = sorted({f for f, _, _ in calls})
-  functions = sorted({(f, name) for f, name, _ in calls})
-  # A function every call of which is made inside a check serves the checks alone.
-  outside = {(f, name) for f, name, checking in calls if not checking}
-  switches = sum(1 for a, b in itertools.pairwise(calls) if a[0] != b[0])
+  path = step_path(trace_step())
+  checks = len(path.checks_only)
   print(
-    f"fp16 step: {len(files)} files, {len(functions)} functions ({len(outside)} outside "
-    f"the trace-time checks, {len(functions) - len(outside)} only inside them), "
-    f"{switches} calls across files"
+    f"fp16 step: {len(path.files)} files, {len(path.functions)} functions "
+    f"({len(path.functions) - checks} outside the trace-time checks, {checks} only inside "
+    f"them), {path.switches} calls across files"
   )
   if args.list:
-    for f, name in functions:
-      print(f"  {f}:{name}" + ("" if (f, name) in outside else "  (checks only)"))
+    for f, name in path.functions:
+      print(f"  {f}:{name}" + ("  (checks only)" if (f, name) in path.checks_only else ""))
   module_total, public = docstrings(root)
   print(f"module docstrings: {module_total} lines")
   print("longest public docstrings: " + ", ".join(f"{name} {n}" for n, name in public[:4]))

@@ -7,6 +7,8 @@ import collections
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
@@ -14,20 +16,25 @@ if str(ROOT) not in sys.path:
 from benchmarks import maintainability  # noqa: E402
 
 
-def test_one_fp16_step_reads_8_modules_35_functions_and_12_more_for_its_checks():
-  calls = maintainability.trace_step()
-  files = {f for f, _, _ in calls}
-  outside = {(f, name) for f, name, checking in calls if not checking}
-  assert len(files) <= 8, sorted(files)
+@pytest.fixture(scope="module")
+def calls():
+  return maintainability.trace_step()
+
+
+def test_one_fp16_step_reads_8_modules_35_functions_and_12_more_for_its_checks(calls):
+  path = maintainability.step_path(calls)
+  outside = set(path.functions) - path.checks_only
+  assert len(path.files) <= 8, path.files
   assert len(outside) <= 35, "\n".join(f"{f}:{name}" for f, name in sorted(outside))
-  checks_only = {(f, name) for f, name, _ in calls} - outside
-  assert len(checks_only) <= 12, "\n".join(f"{f}:{name}" for f, name in sorted(checks_only))
+  assert len(path.checks_only) <= 12, "\n".join(
+    f"{f}:{name}" for f, name in sorted(path.checks_only)
+  )
   # The checks are a side road: nothing in validation.py runs outside them.
   assert not any(f.endswith("validation.py") for f, _ in outside)
 
 
-def test_each_transformation_checks_its_inputs_once_per_trace():
-  entries = collections.Counter(name for f, name, _ in maintainability.trace_step())
+def test_each_transformation_checks_its_inputs_once_per_trace(calls):
+  entries = collections.Counter(name for _, name, _ in calls)
   assert entries["check_loss_scale_inputs"] == 1
   assert entries["check_mixed_precision_inputs"] == 1
   assert entries["check_inner_results"] == 1  # inside the one step on the masters
