@@ -191,6 +191,9 @@ class Row:
       row then starts with its masters seeded from the exact FP32 weights
       (``mpx.init_from_full_precision``; ``tx.init`` on cast params could only
       recover rounded ones). Otherwise it starts from the cast params.
+    rounded_masters: whether those masters keep fewer bits than the FP32
+      weights (``masters="24bit"``): they then start at the weights' rounding
+      (``allow_rounding=True``).
   """
 
   name: str
@@ -199,6 +202,7 @@ class Row:
   tolerance: float | None = None
   worse_by: float | None = None
   masters: bool = True
+  rounded_masters: bool = False
 
 
 BF16, FP16 = jnp.bfloat16, jnp.float16
@@ -228,6 +232,7 @@ ROWS = (
     BF16,
     lambda adamw, s: mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed),
     tolerance=0.01,
+    rounded_masters=True,
   ),
   Row(
     "bf16 stochastic + 4bit moments",
@@ -308,7 +313,9 @@ def make_optimizer(
   # then gives them no master and updates them directly).
   where = (lambda path, leaf: not lm.is_norm(path, leaf)) if settings.fp32_norms else None
   if row.masters:
-    return tx, lambda params: mpx.init_from_full_precision(tx, params, row.dtype, where)
+    return tx, lambda params: mpx.init_from_full_precision(
+      tx, params, row.dtype, where, allow_rounding=row.rounded_masters
+    )
 
   def init(params):
     params = mpx.cast_tree(params, row.dtype, where)

@@ -482,18 +482,43 @@ def test_b29_master_params_refuses_a_rule_chained_after_mixed_precision():
     mpx.master_params(state, params)
 
 
-def test_init_from_full_precision_under_stochastic_masters_says_to_cast_and_init():
+def test_init_from_full_precision_names_each_leaf_that_would_lose_bits_by_its_cause():
   full = {"w": jnp.ones(3), "b": jnp.ones(2)}
   stochastic = mpx.mixed_precision(optax.sgd(1.0), masters="stochastic")
-  with pytest.raises(ValueError, match="stochastic' keeps no master") as error:
+  with pytest.raises(ValueError, match=r"2 \(b, w\) are under masters='stochastic'") as error:
     mpx.init_from_full_precision(stochastic, full, jnp.bfloat16)
-  assert "mpx.cast_tree and call tx.init" in str(error.value)
-  assert "Wrap the rule" not in str(error.value)  # it is already wrapped
-  with pytest.raises(ValueError, match="Wrap the rule for them in mpx.mixed_precision") as error:
+  assert "allow_rounding=True" in str(error.value)
+  assert "wrap the rule" not in str(error.value)  # it is already wrapped
+  with pytest.raises(ValueError, match=r"2 \(b, w\) are under no mixed_precision") as error:
     mpx.init_from_full_precision(optax.sgd(1.0), full, jnp.bfloat16)
   assert "stochastic" not in str(error.value)
   labels = {"w": "stochastic", "b": "plain"}
   mixed = optax.partition({"stochastic": stochastic, "plain": optax.sgd(1.0)}, labels)
-  partly = r"Wrap the rule.*\(1 of them are under masters='stochastic'"
-  with pytest.raises(ValueError, match=partly):
+  both = r"of 2 leaves .* 1 \(b\) are under no mixed_precision.* 1 \(w\) are under masters='stoch"
+  with pytest.raises(ValueError, match=both):
     mpx.init_from_full_precision(mixed, full, jnp.bfloat16)
+  narrow = mpx.mixed_precision(optax.sgd(1.0), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"2 \(b, w\) get no master"):
+    mpx.init_from_full_precision(narrow, full, jnp.bfloat16)
+  # allow_rounding accepts the masters that keep fewer bits, never a leaf with none.
+  params, _ = mpx.init_from_full_precision(stochastic, full, jnp.bfloat16, allow_rounding=True)
+  assert params["w"].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"1 \(b\) are under no mixed_precision"):
+    mpx.init_from_full_precision(mixed, full, jnp.bfloat16, allow_rounding=True)
+
+
+def test_init_from_full_precision_refuses_24bit_masters_unless_rounding_is_allowed():
+  """The outside check's case: 24-bit masters would round [1+2**-20, 1+3*2**-16]
+  to [1.0, 1.00006103515625] while the docs promised no bit lost."""
+  full = {"w": jnp.asarray([1 + 2.0**-20, 1 + 3 * 2.0**-16], jnp.float32)}
+  tx = mpx.mixed_precision(optax.adam(1e-3), masters="24bit")
+  with pytest.raises(ValueError, match=r"1 \(w\) are under masters='24bit'.*allow_rounding=True"):
+    mpx.init_from_full_precision(tx, full, jnp.bfloat16)
+  params, state = mpx.init_from_full_precision(tx, full, jnp.bfloat16, allow_rounding=True)
+  # Rounded to the nearest 24-bit value (15 bits of mantissa: spacing 2**-15 at 1).
+  expected = np.asarray([1.0, 1 + 2 * 2.0**-15], np.float32)
+  np.testing.assert_array_equal(np.asarray(mpx.master_params(state, params)["w"]), expected)
+  # Exact masters keep every bit, with no argument.
+  exact = mpx.mixed_precision(optax.adam(1e-3), masters="remainder")
+  params, state = mpx.init_from_full_precision(exact, full, jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(mpx.master_params(state, params)["w"]), full["w"])

@@ -25,7 +25,8 @@ def _exponent_gap_step(masters: str, jit: bool) -> tuple[float, float]:
   rounds, so the param lands on ``-4 * 2**-24`` (docs/concepts_masters.md, "The
   exponent-gap corner")."""
   tx = mpx.mixed_precision(optax.sgd(1.0), masters=masters)
-  params, state = mpx.init_from_full_precision(tx, {"w": jnp.array([1 - 2**-16])}, jnp.bfloat16)
+  full = {"w": jnp.array([1 - 2**-16])}  # 24 bits hold it: allow_rounding rounds nothing
+  params, state = mpx.init_from_full_precision(tx, full, jnp.bfloat16, allow_rounding=True)
   grads = {"w": jnp.array([1 - 2**-16 + 3 * UNIT])}
   update = jax.jit(tx.update) if jit else tx.update
   updates, state = update(grads, state, params)

@@ -410,7 +410,7 @@ def test_bad_modes_seeds_and_leaves_are_refused_by_name():
     with pytest.raises(ValueError, match=r"param 'layer/half' is float16"):
       mpx.mixed_precision(optax.sgd(1.0), masters=masters).init(params)
   tx = mpx.mixed_precision(optax.sgd(1.0), masters="stochastic")
-  with pytest.raises(ValueError, match="masters='stochastic' keeps no master"):
+  with pytest.raises(ValueError, match="masters='stochastic', which keeps no master"):
     mpx.init_from_full_precision(tx, {"w": jnp.ones(2)}, jnp.bfloat16)
   # A state of another mode is refused, not misread.
   full_state = mpx.mixed_precision(optax.sgd(1.0)).init({"w": jnp.ones(2, jnp.bfloat16)})

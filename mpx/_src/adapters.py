@@ -105,27 +105,48 @@ def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(update_fn)
   def update(updates: Any, state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    meta = sys.modules.get("flax.core.meta")  # flax not imported: no box to see
-    box_type = None if meta is None else meta.AxisMetadata
-    if box_type is None or params is None:
+    if params is None or not has_linen_boxes(params):
       return update_fn(updates, state, params, *args, **kwargs)
-    is_box = lambda x: isinstance(x, box_type)  # noqa: E731
-    if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
-      return update_fn(updates, state, params, *args, **kwargs)
-
-    def unbox(tree: Any) -> Any:
-      return jax.tree.map(lambda x: unboxed(x) if is_box(x) else x, tree, is_leaf=is_box)
-
     new_updates, new_state, *rest = update_fn(
-      unbox(updates), unbox(state), unbox(params), *args, **kwargs
+      without_linen_boxes(updates),
+      without_linen_boxes(state),
+      without_linen_boxes(params),
+      *args,
+      **kwargs,
     )
-    return (
-      jax.tree_util.tree_unflatten(jax.tree.structure(params), jax.tree.leaves(new_updates)),
-      jax.tree_util.tree_unflatten(jax.tree.structure(state), jax.tree.leaves(new_state)),
-      *rest,
-    )
+    return boxed_like(params, new_updates), boxed_like(state, new_state), *rest
 
   return update
+
+
+def linen_box_type() -> type | None:
+  """Returns flax's ``AxisMetadata`` if flax is imported (else no box can exist)."""
+  meta = sys.modules.get("flax.core.meta")
+  return None if meta is None else meta.AxisMetadata
+
+
+def has_linen_boxes(tree: Any) -> bool:
+  """Tells whether ``tree`` holds a flax linen box."""
+  box_type = linen_box_type()
+  if box_type is None:
+    return False
+  is_box = lambda x: isinstance(x, box_type)  # noqa: E731
+  return any(is_box(x) for x in jax.tree.leaves(tree, is_leaf=is_box))
+
+
+def without_linen_boxes(tree: Any) -> Any:
+  """Returns ``tree`` with every flax linen box replaced by what it holds."""
+  box_type = linen_box_type()
+  if box_type is None:
+    return tree
+  is_box = lambda x: isinstance(x, box_type)  # noqa: E731
+  return jax.tree.map(lambda x: unboxed(x) if is_box(x) else x, tree, is_leaf=is_box)
+
+
+def boxed_like(boxed: Any, tree: Any) -> Any:
+  """Returns the leaves of ``tree`` (an unboxed tree of ``boxed``'s shape) in
+  ``boxed``'s boxes."""
+  return jax.tree_util.tree_unflatten(jax.tree.structure(boxed), jax.tree.leaves(tree))
 
 
 def unboxed(box: Any) -> Any:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import rounding, state_search, states, validation
+from mpx._src import adapters, rounding, storage, validation
 from mpx._src import tree as tree_lib
 
 # Keyed by leaf identity, which survives any wrapper's reshaping of the tree
@@ -23,22 +23,28 @@ from mpx._src import tree as tree_lib
 
 
 class _MasterSources:
-  """Full-precision values keyed by the low-precision leaves made from them."""
+  """Full-precision values keyed by the low-precision leaves made from them,
+  and the storage kind each ``mixed_precision`` init gave those leaves."""
 
   def __init__(self, pairs: list[tuple[Any, Any, str]]):
     # Holding the low leaves keeps their ids from being reused meanwhile.
     self._by_id = {id(low): (low, full, path) for low, full, path in pairs}
-    self._unused = set(self._by_id)
+    self._kinds: dict[int, Any] = {}
 
   def take(self, leaf: Any) -> Any:
     entry = self._by_id.get(id(leaf))
-    if entry is None:
-      return leaf
-    self._unused.discard(id(leaf))
-    return entry[1]
+    return leaf if entry is None else entry[1]
 
-  def unused_paths(self) -> list[str]:
-    return sorted(self._by_id[i][2] for i in self._unused)
+  def note_kinds(self, leaves: list[Any], kinds: list[Any]) -> None:
+    for leaf, kind in zip(leaves, kinds, strict=True):
+      if id(leaf) in self._by_id:
+        self._kinds[id(leaf)] = kind
+
+  def seen(self) -> list[tuple[str, Any, Any]]:
+    """Returns ``(path, full-precision value, kind)`` per leaf, sorted by path:
+    ``kind`` the storage kind a ``mixed_precision`` gave it (None: none saw it)."""
+    entries = [(path, full, self._kinds.get(i)) for i, (_, full, path) in self._by_id.items()]
+    return sorted(entries, key=lambda entry: entry[0])
 
 
 _MASTER_SOURCES: contextvars.ContextVar[_MasterSources | None] = contextvars.ContextVar(
@@ -46,11 +52,15 @@ _MASTER_SOURCES: contextvars.ContextVar[_MasterSources | None] = contextvars.Con
 )
 
 
-def full_precision_sources() -> Callable[[Any], Any]:
+def full_precision_sources(leaves: list[Any], kinds: list[Any]) -> Callable[[Any], Any]:
   """Returns what a master is made from: a leaf's full-precision source while
-  init_from_full_precision runs tx.init, else the leaf itself."""
+  init_from_full_precision runs tx.init (which learns each leaf's storage
+  kind, ``kinds``, for its messages), else the leaf itself."""
   sources = _MASTER_SOURCES.get()
-  return (lambda leaf: leaf) if sources is None else sources.take
+  if sources is None:
+    return lambda leaf: leaf
+  sources.note_kinds(leaves, kinds)
+  return sources.take
 
 
 def init_from_full_precision(
@@ -58,6 +68,8 @@ def init_from_full_precision(
   params: tree_lib.PyTree,
   param_dtype: jax.typing.DTypeLike,
   where: tree_lib.LeafPredicate | tree_lib.PyTree | None = None,
+  *,
+  allow_rounding: bool = False,
 ) -> tuple[tree_lib.PyTree, optax.OptState]:
   """Starts low-precision training from full-precision weights, losing no bit.
 
@@ -68,7 +80,9 @@ def init_from_full_precision(
   seeds every master from the *original* value, so each master equals the
   checkpoint bit for bit (``tx.init`` on cast params could only recover the
   rounded value), in ``masters="remainder"`` mode too. The inner rules are
-  initialised on those exact masters.
+  initialised on those exact masters. Masters that keep fewer bits than the
+  weights (``masters="24bit"``, ``"stochastic"``, or a ``dtype`` narrower than
+  the weights') are refused unless ``allow_rounding``.
 
   Args:
     tx: the full transformation, containing one or more
@@ -76,15 +90,19 @@ def init_from_full_precision(
     params: full-precision parameters.
     param_dtype: the low-precision dtype to train the model in.
     where: which floating leaves to cast, as in :func:`mpx.cast_tree`.
+    allow_rounding: accept masters that keep fewer bits than ``params``: a
+      24-bit master is then the weight rounded to nearest (a relative error
+      below 2**-16), a narrower ``dtype`` its rounding, and under
+      ``masters="stochastic"`` (no master) the cast param is the model.
 
   Returns:
     ``(low_precision_params, opt_state)``.
 
   Raises:
-    ValueError: if some cast leaf gets no master from ``tx`` (no
-      ``mixed_precision`` covers it, or its ``dtype`` is not wider than
-      ``param_dtype``): its low bits would be lost. The message names the
-      leaves.
+    ValueError: if bits of some cast leaf would be lost: no
+      ``mixed_precision`` covers it, its ``dtype`` is not wider than
+      ``param_dtype``, or (without ``allow_rounding``) its master keeps fewer
+      bits. The message names the leaves, grouped by cause, with each fix.
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx
@@ -97,62 +115,98 @@ def init_from_full_precision(
   validation.check_transformation(tx, "tx")
   param_dtype = tree_lib.require_floating_dtype(param_dtype, "dtype")
   low = tree_lib.map_floating(params, lambda leaf: _cast_for_masters(leaf, param_dtype), where)
-  low_with_paths, _ = jax.tree_util.tree_flatten_with_path(low)
   pairs = [
-    (low_leaf, full_leaf, tree_lib.path_str(path))
-    for (path, low_leaf), full_leaf in zip(low_with_paths, jax.tree.leaves(params), strict=True)
+    (low_leaf, full_leaf, path)
+    for path, low_leaf, full_leaf in zip(
+      user_paths(low), jax.tree.leaves(low), jax.tree.leaves(params), strict=True
+    )
     if low_leaf is not full_leaf
   ]
-  opt_state, unused = init_seeded(tx, low, pairs)
-  if unused:
-    stochastic = set(_stochastic_paths(opt_state)).intersection(unused)
-    if len(stochastic) == len(unused):
-      fix = (
-        "They are under mpx.mixed_precision, but masters='stochastic' keeps no "
-        "master to seed: cast them with mpx.cast_tree and call tx.init instead."
-      )
-    else:
-      fix = (
-        "Wrap the rule for them in mpx.mixed_precision with a dtype wider than "
-        "param_dtype, or keep them in full precision with `where`."
-      )
-      if stochastic:
-        fix += (
-          f" ({len(stochastic)} of them are under masters='stochastic', which "
-          "keeps no master: cast those with mpx.cast_tree and call tx.init.)"
-        )
-    raise ValueError(
-      f"init_from_full_precision: {len(unused)} leaves cast to "
-      f"{np.dtype(param_dtype)} got no master copy from tx, so their "
-      f"full-precision bits would be lost: {', '.join(unused[:10])}"
-      f"{' ...' if len(unused) > 10 else ''}. {fix}"
-    )
+  opt_state, sources = init_seeded(tx, low, pairs)
+  _refuse_lost_bits(sources, np.dtype(param_dtype), allow_rounding)
   return low, opt_state
 
 
-def _stochastic_paths(opt_state: Any) -> list[str]:
-  """The paths of the leaves that a ``masters="stochastic"`` state in
-  ``opt_state`` rounds (for ``init_from_full_precision``'s message)."""
-  paths = []
-  for state in state_search.find_states(opt_state, states.MixedPrecisionStochasticState):
-    keys, _ = jax.tree_util.tree_flatten_with_path(state.rounding_keys)
-    paths += [tree_lib.path_str(path) for path, _ in keys]
-  return paths
+def _refuse_lost_bits(sources: _MasterSources, param_dtype: Any, allow_rounding: bool) -> None:
+  """Raises if some leaf's full-precision bits are lost, naming the leaves by cause."""
+  lost: dict[str, list[str]] = {}
+  for path, full, kind in sources.seen():
+    cause = _lost_by(kind, jnp.dtype(full.dtype), allow_rounding)
+    if cause is not None:
+      lost.setdefault(cause, []).append(path)
+  if lost:
+    count = sum(len(paths) for paths in lost.values())
+    raise ValueError(
+      f"init_from_full_precision: the full-precision bits of {count} leaves cast to "
+      f"{param_dtype} would be lost. "
+      + " ".join(
+        f"{len(paths)} ({', '.join(paths[:10])}{' ...' if len(paths) > 10 else ''}) {cause}."
+        for cause, paths in lost.items()
+      )
+    )
+
+
+def _lost_by(kind: Any, full_dtype: Any, allow_rounding: bool) -> str | None:
+  """Returns why a leaf of ``full_dtype`` loses bits under its storage ``kind``
+  (None: no ``mixed_precision`` saw it), with the fix; None if it loses none."""
+  if kind is None:
+    return (
+      "are under no mixed_precision in tx: wrap the rule for them in "
+      "mpx.mixed_precision, or keep them in full precision with `where`"
+    )
+  if isinstance(kind, storage.NoMaster):
+    return (
+      "get no master, their mixed_precision's dtype being no wider than param_dtype: "
+      "give it a wider dtype, or keep them in full precision with `where`"
+    )
+  if allow_rounding:
+    return None
+  if isinstance(kind, storage.Stochastic):
+    return (
+      "are under masters='stochastic', which keeps no master: pass "
+      "allow_rounding=True to train from the cast params (or cast them with "
+      "mpx.cast_tree and call tx.init)"
+    )
+  master = getattr(kind, "master_dtype", None)
+  if isinstance(kind, storage.Master24bit):
+    return (
+      "are under masters='24bit', which keeps 24 of float32's 32 bits (a relative "
+      "error up to 2**-16): pass allow_rounding=True to round them, or use "
+      "masters='remainder' (exact)"
+    )
+  if master is not None and jnp.finfo(master).bits < jnp.finfo(full_dtype).bits:
+    return (
+      f"get {jnp.dtype(master)} masters, narrower than their {full_dtype} weights: "
+      "pass allow_rounding=True to round them, or a wider mixed_precision dtype"
+    )
+  return None
+
+
+def user_paths(tree: Any) -> list[str]:
+  """Returns the path of each leaf of ``tree`` as the user wrote it: a flax
+  linen box's leaf by the box's path (``"Dense_0/kernel"``, not its ``value``)."""
+  box_type = adapters.linen_box_type()
+  is_box = None if box_type is None else (lambda x: isinstance(x, box_type))
+  return [
+    tree_lib.path_str(path)
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+    for _ in jax.tree.leaves(node)
+  ]
 
 
 def init_seeded(
   tx: optax.GradientTransformation, params: Any, pairs: list[tuple[Any, Any, str]]
-) -> tuple[optax.OptState, list[str]]:
-  """Returns ``(tx.init(params), unused paths)``, every master of a param leaf
-  named in ``pairs`` (``(leaf, full-precision value, path)``) seeded from its
-  value; the paths are those of the pairs no master took."""
+) -> tuple[optax.OptState, _MasterSources]:
+  """Returns ``tx.init(params)``, every master of a param leaf named in
+  ``pairs`` (``(leaf, full-precision value, path)``) seeded from its value,
+  and the sources, which tell which pairs a master took and each leaf's kind."""
   sources = _MasterSources(pairs)
   token = _MASTER_SOURCES.set(sources)
   try:
     opt_state = tx.init(params)
   finally:
     _MASTER_SOURCES.reset(token)
-  return opt_state, sources.unused_paths()
+  return opt_state, sources
 
 
 def _cast_for_masters(leaf: Any, param_dtype: Any) -> jax.Array:

@@ -106,10 +106,10 @@ def mixed_precision(
   def init_fn(params: optax.Params) -> Any:
     adapters.refuse_fp8_metadata("mixed_precision", params)
     _require_dtype_enabled(dtype)
-    sources = full_precision.full_precision_sources()
     paths, flat, treedef = _flatten(params)
     compat.check_float8_supported({getattr(p, "dtype", None) for p in flat})
     kinds = [mode.kind_for(param, dtype, path) for path, param in zip(paths, flat, strict=True)]
+    sources = full_precision.full_precision_sources(flat, kinds)
     stored = [
       storage.initialized(kind, param, sources, index, seed)
       for index, (kind, param) in enumerate(zip(kinds, flat, strict=True))
@@ -117,13 +117,16 @@ def mixed_precision(
     masters = [storage.viewed(kind, s, p) for kind, s, p in zip(kinds, stored, flat, strict=True)]
     inner_state = tree_lib.strong_types(inner.init(treedef.unflatten(masters)))
     _refuse_loss_scale_inside(inner_state)
-    moments_format.check_fields_exist(inner_state)
+    # optax's params placeholder (tree_map_params, zero1_shardings) stands for
+    # the whole tree: the inner state it makes has no moment fields to find.
+    if not variables.is_optax_placeholder(params):
+      moments_format.check_fields_exist(inner_state)
     # Two arrays, not one: a step that donates the state donates each buffer once.
     applied_steps, nonfinite_steps = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     if moments_format.compresses:
       inner_state = moments_format.compress(inner_state, applied_steps)
     state = mode.state(treedef.unflatten(stored), applied_steps, nonfinite_steps, inner_state)
-    compressed_as = moments_format.name if moments_format.compresses else "full"
+    compressed_as = moments_format.name if moments_format.compresses else None
     return variables.fit_variables(state, compressed_as, linen_boxes=True)
 
   def update_fn(
@@ -491,6 +494,12 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
     {'b': 'float32', 'w': 'float32'}
   """
   validation.refuse_rules_chained_after("master_params", opt_state)
+  # A flax linen box around a param (nn.Partitioned) may hold an unboxed
+  # stored leaf (a rounding key): the masters are read unboxed, then boxed
+  # like the params.
+  boxed = params if adapters.has_linen_boxes(params) else None
+  if boxed is not None:
+    params, opt_state = adapters.without_linen_boxes((params, opt_state))
   result = params
   states: list[Any] = state_search.find_states(opt_state, MIXED_PRECISION_STATES)
   for state in states:
@@ -502,7 +511,7 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
         "master_params: params do not match the masters in opt_state: pass the params "
         "as the state was made for them (under nnx: nnx.as_pure(nnx.state(model, wrt)))."
       ) from error
-  return result
+  return result if boxed is None else adapters.boxed_like(boxed, result)
 
 
 def inner_state(opt_state: optax.OptState) -> optax.OptState:

@@ -251,10 +251,10 @@ def _coded(kind: Any, value: Any, applied_steps: jax.Array) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class MomentsFormat:
-  """Records one ``moments=`` setting: its name, the fields it compresses
+  """Records one ``moments=`` setting: as written, the fields it compresses
   (each with its sign and format) and the seed of its random bits."""
 
-  name: str
+  name: str  # the setting as the user would write it: "'8bit'", "{'mu': '8bit'}"
   fields: tuple[tuple[str, Sign], ...]
   formats: tuple[tuple[str, str], ...]  # (field, format) for every field
   seed: int
@@ -571,14 +571,17 @@ def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFor
 
   ``moments`` is one format for every field of ``moment_fields``, or a mapping
   of field names to formats (its keys then are the fields; ``moment_fields``
-  may still name their signs)."""
-  per_field = isinstance(moments, Mapping)
+  may still name their signs). A mapping is any object ``dict()`` reads as
+  one (a ``Mapping``, or a config object with ``keys()`` such as
+  ``ml_collections.ConfigDict``)."""
+  moments, fields = as_dict(moments), as_dict(fields)
+  per_field = isinstance(moments, dict)
   codes = list(moments.values()) if per_field else [moments]
   if not codes or any(not isinstance(c, str) or c not in FORMATS for c in codes):
     raise ValueError(
       f"mixed_precision: moments must be one of {', '.join(map(repr, FORMATS))}, or a "
       "mapping of field names to them (e.g. {'mu': '8bit', 'nu': '4bit'}), got "
-      f"{moments!r}."
+      f"{_described(moments)}."
     )
   compresses = any(c != "full" for c in codes)
   if compresses and jnp.dtype(dtype) != jnp.float32:
@@ -591,15 +594,33 @@ def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFor
     rule = dict(_field_signs(tuple(n for n in moments if isinstance(n, str))))
     signs = tuple((name, named.get(name, rule[name])) for name in moments)
     formats = tuple(moments.items())
-    name = ", ".join(f"{f}: {c}" for f, c in formats)
+    name = repr(moments)
   else:
     signs = _field_signs(fields)
     formats = tuple((field, moments) for field, _ in signs)
-    name = moments
+    name = repr(moments)
   block_scaled = any(c in ("8bit", "4bit") for c in codes)
   return MomentsFormat(
     name, signs, formats, seed, isinstance(fields, Mapping), compresses, block_scaled
   )
+
+
+def as_dict(setting: Any) -> Any:
+  """Returns ``setting`` as a dict if it is a mapping (a ``Mapping``, or an
+  object with ``keys()`` and item access, as ``dict()`` reads it), else as it is."""
+  if isinstance(setting, Mapping) or (
+    not isinstance(setting, str | bytes) and callable(getattr(setting, "keys", None))
+  ):
+    return dict(setting)
+  return setting
+
+
+def _described(value: Any) -> str:
+  """Returns ``repr(value)``, with its type named where that is not a builtin."""
+  module = type(value).__module__
+  if module == "builtins":
+    return repr(value)
+  return f"{value!r} (a {module}.{type(value).__qualname__})"
 
 
 def _field_signs(fields: Any) -> tuple[tuple[str, Sign], ...]:
@@ -619,7 +640,7 @@ def _field_signs(fields: Any) -> tuple[tuple[str, Sign], ...]:
     raise ValueError(
       "mixed_precision: moment_fields must be a sequence of field names, e.g. "
       "('mu', 'nu'), or a mapping of names to 'signed' or 'nonnegative', got "
-      f"{fields!r}."
+      f"{_described(fields)}."
     )
   return tuple((f, "nonnegative" if f in NONNEGATIVE_FIELDS else "signed") for f in fields)
 

@@ -29,7 +29,7 @@ class NotParams:
     return "NotParams()"
 
 
-def fit_variables(state: Any, moments_format: str | None = None, linen_boxes: bool = False) -> Any:
+def fit_variables(state: Any, compressed_as: str | None = None, linen_boxes: bool = False) -> Any:
   """Returns ``state`` with each box around a leaf derived from a param fitting that leaf.
 
   With nnx imported, each nnx ``Variable`` holds one array its sharding fits:
@@ -41,13 +41,14 @@ def fit_variables(state: Any, moments_format: str | None = None, linen_boxes: bo
   rounding key is unboxed (``update`` must then run through
   ``adapters.through_linen_boxes``). A state made of optax's params placeholder
   (``tree_map_params``) gets :class:`NotParams` for its rounding keys, and is
-  refused if ``moments_format`` (the ``moments=`` setting, None: unknown)
-  compresses. Without flax imported, boxes are left as they are.
+  refused if its moments are compressed (``compressed_as``: the ``moments=``
+  setting as written; None where the moments are kept as the rule made them).
+  Without flax imported, boxes are left as they are.
 
   Raises:
     ValueError: for optax's params placeholder under compressed moments.
   """
-  state = _for_optax_placeholder(state, moments_format)
+  state = _for_optax_placeholder(state, compressed_as)
   if linen_boxes:
     state = _fit_linen_boxes(state)
   nnx = sys.modules.get("flax.nnx")
@@ -61,8 +62,9 @@ def fit_variables(state: Any, moments_format: str | None = None, linen_boxes: bo
     compat.check_nnx_supported()
     value: Any = node.get_value()
     if moments.is_compressed(value):
-      shape = moments.param_shape_of(value)
-      return type(value)(*(_rewrap(node, part, shape) for part in value))
+      return type(value)(
+        *(_rewrap(node, part, shape) for part, shape in zip(value, _mirrored(value), strict=True))
+      )
     if tree_lib.is_placeholder(value) or not hasattr(value, "shape"):
       return node
     return _rewrap(node, value, None)
@@ -83,6 +85,16 @@ def _rewrap(variable: Any, value: Any, param_shape: tuple[int, ...] | None) -> A
   if param_shape is None and metadata == variable.get_metadata():
     return variable
   return type(variable)(value, **metadata)
+
+
+def _mirrored(moment: Any) -> list[tuple[int, ...]]:
+  """Returns, per part of a compressed moment, the lengths its axes have
+  where they run along the param's: its first part (bfloat16 values, 8-bit
+  codes, 4-bit codes two a byte along the last axis) mirrors the param axis
+  by axis, so it keeps every box entry and splits like the param; the block
+  scales only on the axes before the last."""
+  param_shape = moments.param_shape_of(moment)
+  return [tuple(np.shape(moment[0])), *[param_shape] * (len(moment) - 1)]
 
 
 def _on_param_axes(
@@ -115,7 +127,7 @@ def mapping_compressed_moments() -> Iterator[None]:
     _COMPRESSED_MAPPED.reset(token)
 
 
-def _is_optax_placeholder(tree: Any) -> bool:
+def is_optax_placeholder(tree: Any) -> bool:
   """Tells whether ``tree`` is the params placeholder of
   ``optax.tree_utils.tree_map_params`` (as ``optax.masked`` tells it)."""
   # A private name of optax's: looked up, never imported at mpx's import.
@@ -126,16 +138,16 @@ def _is_optax_placeholder(tree: Any) -> bool:
   return type(tree).__name__ == "_ParamsPlaceholder"
 
 
-def _for_optax_placeholder(state: Any, moments_format: str | None) -> Any:
+def _for_optax_placeholder(state: Any, compressed_as: str | None) -> Any:
   """Returns a state made of optax's params placeholder as ``tree_map_params``
   can map it: the rounding keys marked :class:`NotParams`; refuses one whose
   moments are compressed, which the placeholder cannot stand for."""
-  if not isinstance(state, MIXED_PRECISION_STATES) or not _is_optax_placeholder(state[0]):
+  if not isinstance(state, MIXED_PRECISION_STATES) or not is_optax_placeholder(state[0]):
     return state
-  if moments_format not in (None, "full") and not _COMPRESSED_MAPPED.get():
+  if compressed_as is not None and not _COMPRESSED_MAPPED.get():
     raise ValueError(
       "optax.tree_utils.tree_map_params cannot map the state of mixed_precision(..., "
-      f"moments={moments_format!r}): each compressed moment is a NamedTuple (its bfloat16 "
+      f"moments={compressed_as}): each compressed moment is a NamedTuple (its bfloat16 "
       "values, or its 8-bit codes and block scales) where the params have one leaf, and "
       "the block scales do not have the param's shape. For shardings that follow the "
       "params', use mpx.zero1_shardings(tx, params, mesh, axis=None) (docs/multi_device.md)."
@@ -145,16 +157,10 @@ def _for_optax_placeholder(state: Any, moments_format: str | None) -> Any:
   return state
 
 
-def _linen_box_type() -> type | None:
-  """Returns flax's ``AxisMetadata`` if flax is imported, else None."""
-  meta = sys.modules.get("flax.core.meta")
-  return None if meta is None else meta.AxisMetadata
-
-
 def _fit_linen_boxes(state: Any) -> Any:
   """Returns ``state`` with each linen box's ``names`` fitting the leaf it holds
   (:func:`_rebox`)."""
-  box_type = _linen_box_type()
+  box_type = adapters.linen_box_type()
   if box_type is None:
     return state
 
@@ -163,8 +169,9 @@ def _fit_linen_boxes(state: Any) -> Any:
       return node
     value: Any = adapters.unboxed(node)
     if moments.is_compressed(value):
-      shape = moments.param_shape_of(value)
-      return type(value)(*(_rebox(node, part, shape) for part in value))
+      return type(value)(
+        *(_rebox(node, part, shape) for part, shape in zip(value, _mirrored(value), strict=True))
+      )
     if tree_lib.is_placeholder(value) or not hasattr(value, "shape"):
       return node
     if not np.shape(value) and tuple(node.names):
