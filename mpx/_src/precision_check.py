@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import optax
 
 from mpx._src import state_search
-from mpx._src.states import MixedPrecision24bitState
+from mpx._src.states import MIXED_PRECISION_STATES, MixedPrecision24bitState
 
 
 class MasterPrecisionError(RuntimeError):
@@ -39,6 +40,9 @@ def check_master_precision(opt_state: optax.OptState) -> None:
   Raises:
     MasterPrecisionError: if any of them counted a stalled step, with the count
       and the fixes.
+    ValueError: if ``opt_state`` holds no ``mixed_precision`` state at all
+      (None, or the params passed by mistake).
+    TypeError: under ``jax.jit``: the count is read on the host.
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx
@@ -53,7 +57,19 @@ def check_master_precision(opt_state: optax.OptState) -> None:
     ...
     mpx._src.precision_check.MasterPrecisionError: 1 of 1 applied steps ...
   """
+  if not state_search.find_states(opt_state, MIXED_PRECISION_STATES):
+    raise ValueError(
+      "check_master_precision: opt_state holds no mixed_precision state (got a "
+      f"{type(opt_state).__name__}): pass the optimizer state, e.g. the opt_state "
+      "that tx.update returns, not the params."
+    )
   for state in state_search.find_states(opt_state, MixedPrecision24bitState):
+    if isinstance(state.stalled_steps, jax.core.Tracer):
+      raise TypeError(
+        "check_master_precision reads the stalled_steps count on the host, so it "
+        "cannot run under jax.jit (or another transformation): call it outside the "
+        "jitted step, where the loop syncs anyway (at logging)."
+      )
     stalled = int(np.asarray(state.stalled_steps))
     if stalled:
       applied = int(np.asarray(state.applied_steps))

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import optax
 
-from mpx._src import full_precision, state_search, validation
+from mpx._src import full_precision, moments, state_search, validation
 from mpx._src import tree as tree_lib
 from mpx._src.mixed_precision import master_params
 from mpx._src.states import MIXED_PRECISION_STATES
@@ -94,19 +94,44 @@ def _carried_over(new: Any, old: Any) -> Any:
 
 def _check_same_outside_masters(new: Any, old: Any) -> None:
   """Raises a ValueError unless ``old`` has the structure, shapes and dtypes of
-  ``new`` everywhere but in the stored masters."""
+  ``new`` everywhere but in the stored masters, naming the first place they differ."""
 
   def without_masters(state: Any) -> Any:
-    return (state.applied_steps, state.nonfinite_steps, state.inner_state)
+    fields = ("applied_steps", "nonfinite_steps", "inner_state")
+    return {field: getattr(state, field) for field in fields}
 
   def outside_masters(state: Any) -> Any:
     return state_search.replace_states(state, MIXED_PRECISION_STATES, without_masters)
 
-  try:
-    validation.check_state_like("switch_masters", outside_masters(old), outside_masters(new))
-  except ValueError as error:
-    raise ValueError(
-      "switch_masters: tx's state differs from opt_state outside the masters (another "
-      "rule, or another moments=?). Build tx as the run's transformation with only "
-      f"masters= changed. ({error})"
-    ) from error
+  old_leaves, new_leaves = _stored_forms(outside_masters(old)), _stored_forms(outside_masters(new))
+  for path in sorted(old_leaves.keys() | new_leaves.keys()):
+    old_form, new_form = old_leaves.get(path, "nothing"), new_leaves.get(path, "nothing")
+    if old_form != new_form:
+      moments_differ = any(_is_moment_form(f) for f in (old_form, new_form))
+      fix = (
+        "build tx with the run's moments= (and moment_fields=)"
+        if moments_differ
+        else "build tx from the run's own rule"
+      )
+      raise ValueError(
+        f"switch_masters: tx's state differs from opt_state outside the masters: at "
+        f"{path}, opt_state holds {old_form} and tx's state {new_form}. To switch, "
+        f"{fix}, with only masters= changed."
+      )
+
+
+def _stored_forms(tree: Any) -> dict[str, str]:
+  """Returns, by path, how ``tree`` stores each leaf: a compressed moment by its
+  type's name (one node), an array as ``float32[2, 3]``."""
+  is_leaf = lambda x: moments.is_compressed(x) or tree_lib.is_placeholder(x)  # noqa: E731
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  return {
+    tree_lib.path_str(path) or "<root>": type(leaf).__name__
+    if moments.is_compressed(leaf) or tree_lib.is_placeholder(leaf)
+    else validation.describe(leaf)
+    for path, leaf in flat
+  }
+
+
+def _is_moment_form(form: str) -> bool:
+  return form.endswith("Moment")

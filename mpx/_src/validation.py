@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import adapters, state_search
@@ -191,11 +192,24 @@ def check_inner_results(
     if _layout(new) != _layout(old):
       raise TypeError(
         f"{name}: the inner rule changed the type of its state at {path} from "
-        f"{describe(old)} to {describe(new)}. Integer params reaching a rule such as "
-        "Adam need optax.masked to keep the rule off them; 16-bit params under "
-        "loss_scale alone get float32 gradients, so wrap the rule in "
-        "mpx.mixed_precision, whose state is float32."
+        f"{describe(old)} to {describe(new)}. {_changed_type_fix(name, old)}"
       )
+
+
+def _changed_type_fix(name: str, old: Any) -> str:
+  """Returns the fix for a rule whose state leaf ``old`` changed type in a step."""
+  dtype = tree_lib.leaf_dtype(old)
+  if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
+    return (
+      "Integer params reaching a rule such as Adam need optax.masked to keep the rule off them."
+    )
+  if name == "loss_scale" and tree_lib.is_floating(old) and jnp.finfo(dtype).bits < 32:
+    return (
+      "loss_scale unscales the gradients of 16-bit params in float32, and the rule "
+      "made its state in the params' dtype: wrap the rule in mpx.mixed_precision "
+      "(mpx.loss_scale(mpx.mixed_precision(rule))), whose state is float32."
+    )
+  return "A skipped step returns the old state, so the rule must keep its state's types."
 
 
 def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> None:
