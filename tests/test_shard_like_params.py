@@ -1,16 +1,23 @@
-"""Every masters x moments mode shards like its params (issue 35).
+"""Every masters x moments mode shards like its params, in every place.
 
-The state of each of the 9 modes is laid out from its params' shardings, the
-params split on their first axis, their last, or both (a 4 x 2 mesh), three
-ways: ``mpx.zero1_shardings`` with ``axis=None`` (shard like the params) and
-``axis="data"`` (ZeRO-1), and optax's own recipe,
-``optax.tree_utils.tree_map_params``, which maps every mode with full moments
-and refuses compressed ones naming ``zero1_shardings``. A jitted step then
-trains there, fed fixed gradients: every optimizer operation is elementwise
-(an 8-bit block's scale is a max), so two sharded steps give params and
-state bit for bit those of the same steps on one device. A flax linen
-``TrainState`` whose params are boxed by ``nn.with_partitioning`` gets its
-state's shardings from ``nn.get_sharding`` and trains on 8 devices.
+The modes are read from the code (``storage.MODES`` for ``masters=``,
+``moments.FORMATS`` for ``moments=``, plus a per-field mapping and a rule
+with its own ``moment_fields``), so a new mode joins this matrix by being
+added to the library. Each mode's state is laid out from its params'
+shardings, the params split on their first axis, their last, or both (a
+4 x 2 mesh), four ways: ``mpx.zero1_shardings`` with ``axis=None`` (shard
+like the params) and ``axis="data"`` (ZeRO-1); optax's own recipe,
+``optax.tree_utils.tree_map_params``, which maps every mode with full
+moments and refuses compressed ones naming ``zero1_shardings``; and flax
+linen boxes (``nn.Partitioned``, as ``nn.with_partitioning`` makes them),
+whose names ``nn.get_sharding`` turns into shardings. Each public function
+is tried on the boxed params against the same call on the bare ones.
+
+A jitted step then trains there, fed fixed gradients: every optimizer
+operation is elementwise (a block's scale is a max), so the sharded steps
+give params and state bit for bit those of the same steps on one device.
+With -m slow each mode trains so in two of the six layout x axis pairs (each
+pair by a third of the modes) and through linen boxes in one layout.
 
 Runs on the 8 host CPU devices that conftest.py asks XLA for.
 """
@@ -26,14 +33,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpx
+from mpx._src import moments as moments_lib
+from mpx._src import storage
 
-MODES = [
-  (masters, moments)
-  for masters in ("full", "remainder", "stochastic")
-  for moments in ("full", "bfloat16", "8bit")
-]
-# (mesh shape, axis names, param specs). w1's last axis is one 8-bit block
-# (scales (64, 1)); w2's is 8 blocks of 256 (scales (16, 8)). b is too small
+MASTERS = tuple(storage.MODES)
+# Adan's fields, named with their signs: a rule whose moments are not optax's mu/nu.
+ADAN_FIELDS = {"m": "signed", "v": "signed", "n": "nonnegative"}
+MOMENTS = {
+  **{name: {"moments": name} for name in moments_lib.FORMATS},
+  "per-field": {"moments": {"mu": "8bit", "nu": "4bit"}},
+  "adan fields": {"moments": "4bit", "moment_fields": ADAN_FIELDS},
+}
+MODES = [(masters, moments) for masters in MASTERS for moments in MOMENTS]
+# (mesh shape, axis names, param specs). w1's last axis is one 8-bit block, two
+# 4-bit ones; w2's is 8 blocks of 256 (16 of 128 in 4 bits). b is too small
 # to compress; norm is float32 (no master, full moments).
 LAYOUTS = {
   "first": ((8,), ("data",), {"w1": P("data"), "w2": P("data"), "b": P("data"), "norm": P()}),
@@ -48,15 +61,24 @@ LAYOUTS = {
     {"w1": P("data", "model"), "w2": P("model", "data"), "b": P("model"), "norm": P()},
   ),
 }
-# The quick tier checks every mode's layouts (cheap: no compilation) and
-# trains one mode, 8-bit moments in the layout the outside check found (where
-# their scales cannot take the param's spec); a training compiles a sharded
-# step and its one-device reference. test_zero1 trains every masters mode
-# sharded, test_multidevice ZeRO-1 against replicated and test_moments 8-bit
-# moments under ZeRO-1, all in the quick tier; the slow test here trains every
-# mode in every layout.
-QUICK_TRAINING = {("full", "8bit"): ("last", None)}
+# Where each mode trains sharded in the quick tier: the layout that splits its
+# codes most (the last axis), ZeRO-1 on top for one of each pair. Every mode
+# in every layout, both axes and linen boxes: -m slow.
+QUICK_TRAINING = {("remainder", "per-field"): ("last", "data")}
+# The public functions on linen boxes, quick: the modes of the outside checks
+# (4-bit codes and the stochastic keys under boxes; 24-bit with per-field
+# moments) and a rule with its own fields. Every mode: -m slow.
+QUICK_BOXES = {("stochastic", "4bit"), ("24bit", "per-field"), ("full", "adan fields")}
 TRAINING = [(layout, axis) for layout in LAYOUTS for axis in (None, "data")]
+
+
+def slow_training(mode):
+  """Returns the two (layout, axis) pairs ``mode`` trains in with -m slow, in
+  turn over the modes: each pair is trained by a third of them (every mode in
+  every pair would take CI's budget; the layouts of every pair are checked for
+  every mode in the quick tier)."""
+  index = MODES.index(mode)
+  return [TRAINING[index % len(TRAINING)], TRAINING[(index + 3) % len(TRAINING)]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,7 +112,9 @@ def make_grads(params):
 
 
 def make_tx(masters, moments):
-  return mpx.mixed_precision(optax.adamw(1e-2), masters=masters, moments=moments)
+  setting = MOMENTS[moments]
+  rule = optax.adan(1e-2) if "moment_fields" in setting else optax.adamw(1e-2)
+  return mpx.mixed_precision(rule, masters=masters, **setting)
 
 
 def train_step(tx, params, opt_state, grads):
@@ -98,7 +122,13 @@ def train_step(tx, params, opt_state, grads):
   return optax.apply_updates(params, updates), opt_state
 
 
-COMPRESSED = (mpx.Bfloat16Moment, mpx.Signed8bitMoment, mpx.Nonnegative8bitMoment)
+COMPRESSED = (
+  mpx.Bfloat16Moment,
+  mpx.Signed8bitMoment,
+  mpx.Nonnegative8bitMoment,
+  mpx.Signed4bitMoment,
+  mpx.Nonnegative4bitMoment,
+)
 
 
 def is_hole(x):
@@ -122,23 +152,33 @@ def compressed(state):
   return found
 
 
-def check_layout(tx, state, shardings, param_shardings, axis):
-  """Every state leaf lies where ``shardings`` says, and each leaf derived
-  from a param follows it: its spec (axis=None) or a refinement of it."""
+def entries(sharding, ndim):
+  """Returns a sharding's (or a PartitionSpec's) entries, one per axis of ``ndim``."""
+  spec = sharding if isinstance(sharding, P) else sharding.spec
+  return (tuple(spec) + (None,) * ndim)[:ndim]
+
+
+def check_layout(state, shardings, param_shardings, axis):
+  """Every state leaf lies where ``shardings`` says, and each compressed
+  moment follows its param: with ``axis=None`` its codes (or bfloat16 values)
+  take the param's spec, its block scales the param's entries before the last
+  axis; with ZeRO-1 each part is split over ``axis`` too, where it divides."""
   placed = jax.device_put(state, shardings)  # raises for a spec a leaf's shape refuses
   for (path, leaf), sharding in zip(
     jax.tree_util.tree_flatten_with_path(placed)[0], jax.tree.leaves(shardings), strict=True
   ):
     assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), jax.tree_util.keystr(path)
   for name, moments in compressed(placed).items():
-    param_entries = tuple(param_shardings[name].spec) + (None,) * 2
+    param_entries = entries(param_shardings[name], 2)
     for moment in moments:
-      codes = moment[0]
+      codes, *scales = moment
       if axis is None:
-        assert codes.sharding.is_equivalent_to(param_shardings[name], codes.ndim), name
-        for part in moment[1:]:  # the block scales: the param's entries where they divide
-          entries = tuple(part.sharding.spec) + (None,) * part.ndim
-          assert entries[: part.ndim - 1] == param_entries[: part.ndim - 1], name
+        assert entries(codes.sharding, codes.ndim) == param_entries, (name, type(moment))
+        for part in scales:
+          assert entries(part.sharding, part.ndim)[:-1] == param_entries[:-1], name
+      else:
+        # ZeRO-1 on 8 devices: each of these codes is split over "data".
+        assert any("data" in str(e) for e in entries(codes.sharding, codes.ndim)), name
   if isinstance(state, mpx.MixedPrecisionStochasticState):
     for key in jax.tree.leaves(placed.rounding_keys):
       assert key.sharding.is_fully_replicated
@@ -171,6 +211,17 @@ def check_tree_map_params(tx, state, moments, mesh, param_shardings, zero1):
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
 
+def bits_equal(a, b):
+  """Tells whether two trees hold the same structure and the same bits."""
+  if jax.tree.structure(a) != jax.tree.structure(b):
+    return False
+  return all(
+    np.asarray(x).dtype == np.asarray(y).dtype
+    and np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
+
+
 @functools.cache
 def reference(masters, moments):
   """Two steps on one device, unsharded: (params, state) after each."""
@@ -200,26 +251,21 @@ def train_sharded(masters, moments, layout, axis):
     reference(masters, moments), make_grads(make_params()), strict=True
   ):
     params, state = step(params, state, jax.device_put(grads, param_shardings))
-    same = jax.tree.map(
-      lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
-      (params, state),
-      (want_params, want_state),
-    )
-    assert all(jax.tree.leaves(same)), (layout, axis, same)
+    assert bits_equal((params, state), (want_params, want_state)), (layout, axis)
 
 
 @pytest.mark.parametrize("masters, moments", MODES)
 def test_every_mode_shards_like_its_params(masters, moments):
   tx = make_tx(masters, moments)
   state = tx.init(make_params())
-  if moments == "8bit":  # w1's and w2's moments are 8-bit, b's are not compressed
+  if moments not in ("full", "adan fields"):  # w1's and w2's moments only: b is too small
     assert set(compressed(state)) == {"w1", "w2"}
   for layout in LAYOUTS:
     mesh, param_shardings = on_mesh(layout)
     params = jax.device_put(make_params(), param_shardings)
     for axis in (None, "data"):
       shardings = mpx.zero1_shardings(tx, params, mesh, axis=axis)
-      check_layout(tx, state, shardings, param_shardings, axis)
+      check_layout(state, shardings, param_shardings, axis)
       if axis is None:
         check_tree_map_params(tx, state, moments, mesh, param_shardings, shardings)
   if (masters, moments) in QUICK_TRAINING:
@@ -228,9 +274,148 @@ def test_every_mode_shards_like_its_params(masters, moments):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("masters, moments", MODES)
-def test_every_mode_trains_in_every_layout(masters, moments):
-  for layout, axis in TRAINING:
+def test_every_mode_trains_sharded_bitwise(masters, moments):
+  for layout, axis in slow_training((masters, moments)):
     train_sharded(masters, moments, layout, axis)
+
+
+def test_every_layout_and_axis_is_trained_by_some_modes():
+  trained = [pair for mode in MODES for pair in slow_training(mode)]
+  assert {pair: trained.count(pair) for pair in TRAINING} == {
+    pair: 2 * len(MODES) // len(TRAINING) for pair in TRAINING
+  }
+  assert all(len({layout for layout, _ in slow_training(mode)}) == 2 for mode in MODES)
+
+
+def test_the_matrix_holds_every_mode_of_the_library():
+  """A new masters= mode or moments= format joins the matrix by being added to
+  the library: the lists above are read from it."""
+  assert {m for m, _ in MODES} == set(storage.MODES) == {"full", "remainder", "24bit", "stochastic"}
+  formats = {name for name in MOMENTS if name in moments_lib.FORMATS}
+  assert formats == set(moments_lib.FORMATS) == {"full", "bfloat16", "8bit", "4bit"}
+
+
+# flax linen: params boxed as nn.with_partitioning boxes them, shardings from
+# nn.get_sharding, and every public function on the boxes.
+
+
+def boxed(tree, layout):
+  """Returns ``tree`` (shaped like make_params()) with each leaf in an
+  ``nn.Partitioned`` box named after the layout's spec."""
+  from flax import linen as nn
+
+  specs = LAYOUTS[layout][2]
+  return {k: nn.Partitioned(v, names=entries(specs[k], np.ndim(v))) for k, v in tree.items()}
+
+
+def unboxed(tree):
+  from flax import linen as nn
+
+  return nn.unbox(tree)
+
+
+def raised(call):
+  """Returns the message of the ValueError ``call()`` raises, or None."""
+  try:
+    call()
+  except ValueError as error:
+    return str(error)
+  return None
+
+
+def check_public_functions_on_boxes(masters, moments, layout):
+  """Each public function takes the boxed params (and the state made of them)
+  and gives what it gives on the bare ones, unboxed; every message that names
+  leaves names them as for the bare ones."""
+  from flax import linen as nn
+
+  tx = make_tx(masters, moments)
+  bare = make_params()
+  params = boxed(bare, layout)
+  state, bare_state = tx.init(params), tx.init(bare)
+  assert bits_equal(unboxed(state), bare_state)
+  # The masters: float32 for every leaf with one, inside a box or not.
+  masters_tree = mpx.master_params(state, params)
+  assert all(isinstance(v, nn.Partitioned) for v in masters_tree.values())
+  assert bits_equal(unboxed(masters_tree), mpx.master_params(bare_state, bare))
+  assert {str(v.dtype) for v in unboxed(masters_tree).values()} == {"float32"}
+  assert bits_equal(unboxed(mpx.inner_state(state)), mpx.inner_state(bare_state))
+  assert bits_equal(unboxed(mpx.sync_masters(state, params)), mpx.sync_masters(bare_state, bare))
+  mpx.check_master_precision(state)
+  # A step, through the boxes.
+  grads = make_grads(bare)[0]
+  updates, new_state = tx.update(boxed(grads, layout), state, params)
+  assert bits_equal(unboxed((updates, new_state)), tx.update(grads, bare_state, bare))
+  # Seeded from float32 weights: the same masters, or the same refusal.
+  full = jax.tree.map(lambda v: v.astype(jnp.float32), bare)
+  boxed_full = boxed(full, layout)
+  init = functools.partial(mpx.init_from_full_precision, tx, param_dtype=jnp.bfloat16)
+  assert raised(lambda: init(boxed_full)) == raised(lambda: init(full))
+  if masters in ("24bit", "stochastic"):  # every cast leaf, by the name it has in the tree
+    assert "4 (b, norm, w1, w2) are under masters=" in raised(lambda: init(boxed_full))
+  got = init(boxed_full, allow_rounding=True)
+  assert bits_equal(unboxed(got), init(full, allow_rounding=True))
+  # Another masters= mode, from the boxed state.
+  other = "full" if masters != "full" else "remainder"
+  other_tx = make_tx(other, moments)
+  switched = mpx.switch_masters(other_tx, state, params)
+  assert bits_equal(unboxed(switched), mpx.switch_masters(other_tx, bare_state, bare))
+  return tx, params, state
+
+
+def check_boxed_layout(tx, params, state, layout):
+  """nn.get_sharding lays the boxed state out as zero1_shardings(axis=None)
+  lays the bare one out from the params' shardings, and zero1_shardings takes
+  the boxed params itself."""
+  from flax import linen as nn
+
+  mesh, param_shardings = on_mesh(layout)
+  by_names = nn.get_sharding(state, mesh)
+  placed = jax.device_put(state, by_names)
+  like_params = mpx.zero1_shardings(tx, jax.device_put(make_params(), param_shardings), mesh, None)
+  check_layout(unboxed(placed), like_params, param_shardings, None)
+  for axis in (None, "data"):
+    from_boxes = mpx.zero1_shardings(tx, params, mesh, axis)
+    want = mpx.zero1_shardings(tx, jax.device_put(make_params(), param_shardings), mesh, axis)
+    for a, b in zip(jax.tree.leaves(from_boxes), jax.tree.leaves(want), strict=True):
+      assert a == b
+    jax.device_put(state, from_boxes)  # the boxed state takes them
+
+
+@pytest.mark.parametrize(
+  "masters, moments",
+  [m if m in QUICK_BOXES else pytest.param(*m, marks=pytest.mark.slow) for m in MODES],
+)
+def test_every_public_function_takes_linen_boxes_in_every_mode(masters, moments):
+  tx, params, state = check_public_functions_on_boxes(masters, moments, "last")
+  check_boxed_layout(tx, params, state, "last")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("masters, moments", MODES)
+def test_every_mode_trains_through_linen_boxes_bitwise(masters, moments):
+  """Sharded by the boxes' names (on 8 devices or on 4 x 2, in turn over the
+  modes), two steps through the boxes give the one-device steps' bits."""
+  for layout in [("last", "both")[MODES.index((masters, moments)) % 2]]:
+    tx, params, state = check_public_functions_on_boxes(masters, moments, layout)
+    check_boxed_layout(tx, params, state, layout)
+    from flax import linen as nn
+
+    mesh, _ = on_mesh(layout)
+    shardings = nn.get_sharding(state, mesh)
+    param_shardings = nn.get_sharding(params, mesh)
+    state = jax.device_put(state, shardings)
+    params = jax.device_put(params, param_shardings)
+    step = jax.jit(
+      functools.partial(train_step, tx),
+      in_shardings=(param_shardings, shardings, param_shardings),
+      out_shardings=(param_shardings, shardings),
+    )
+    for (want_params, want_state), grads in zip(
+      reference(masters, moments), make_grads(make_params()), strict=True
+    ):
+      params, state = step(params, state, jax.device_put(boxed(grads, layout), param_shardings))
+      assert bits_equal(unboxed((params, state)), (want_params, want_state)), layout
 
 
 def test_eight_bit_scales_of_a_param_split_on_its_last_axis():
@@ -279,7 +464,8 @@ def test_tree_map_params_hands_rounding_keys_to_transform_non_params():
 LINEN_MODES = [
   pytest.param("stochastic", "full", marks=pytest.mark.slow),
   pytest.param("full", "8bit", marks=pytest.mark.slow),
-  pytest.param("stochastic", "8bit", marks=pytest.mark.slow),
+  pytest.param("stochastic", "4bit", marks=pytest.mark.slow),
+  pytest.param("24bit", "per-field", marks=pytest.mark.slow),
 ]
 
 
@@ -338,11 +524,11 @@ def test_linen_partitioned_state_shards_and_trains(masters, moments):
   if masters == "stochastic":  # a scalar: unboxed, replicated
     key = state.opt_state.rounding_keys["Dense_0"]["kernel"]
     assert not isinstance(key, nn.Partitioned) and key.sharding.is_fully_replicated
-  if moments == "8bit":  # the scales keep the names of the axes they share
-    nu = inner.nu["DenseGeneral_0"]["kernel"]
-    assert nu.codes.names == (None, None, "data") and nu.scales.names == (None, None, None)
-    assert nu.scales.value.shape == (128, 8, 1)
-    assert nu.codes.value.sharding.spec == P(None, None, "data")
+  if moments != "full":  # codes split like the param; scales keep the axes they share
+    for nu in (inner.nu["DenseGeneral_0"]["kernel"], inner.mu["DenseGeneral_0"]["kernel"]):
+      assert nu.codes.names == (None, None, "data") and nu.scales.names == (None, None, None)
+      assert nu.codes.value.sharding.spec == P(None, None, "data")
+      assert nu.codes.value.addressable_shards[0].data.shape[-1] == nu.codes.value.shape[-1] // 8
   batch = NamedSharding(mesh, P("data"))
   sharded_step = jax.jit(step, in_shardings=(shardings, batch, batch), out_shardings=shardings)
   one_device = jax.jit(step)

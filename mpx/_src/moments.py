@@ -684,7 +684,11 @@ def decompressed(stored_inner: Any) -> Any:
 
   def leaf(x: Any) -> Any:
     kind = _KIND_OF_STORED.get(type(x))
-    return x if kind is None else kind.decompress(x)
+    if kind is None:
+      return x
+    if hasattr(x[0], "replace_boxed"):  # parts in flax linen boxes: the value boxed like them
+      return x[0].replace_boxed(kind.decompress(type(x)(*(adapters.unboxed(p) for p in x))))
+    return kind.decompress(x)
 
   return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
 

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mpx._src import moment_codes, variables
+from mpx._src import adapters, moment_codes, variables
 from mpx._src import moment_codes_4bit as codes_4bit
 from mpx._src import tree as tree_lib
 from mpx._src.states import (
@@ -109,16 +109,18 @@ def zero1_shardings(
   Args:
     tx: the optimizer, e.g. ``mpx.mixed_precision(optax.adamw(3e-4))``. Its
       ``init`` is only traced (``jax.eval_shape``), never run.
-    params: the parameters (arrays or ``jax.ShapeDtypeStruct``). A leaf with a
-      ``NamedSharding`` on a mesh of ``mesh``'s shape contributes its spec
-      (e.g. tensor parallelism); any other leaf counts as replicated.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``, bare or in
+      flax linen boxes). A leaf with a ``NamedSharding`` on a mesh of
+      ``mesh``'s shape contributes its spec (e.g. tensor parallelism), a
+      boxed leaf without one its box's ``names`` of ``mesh``'s axes; any other
+      leaf counts as replicated.
     mesh: the device mesh, its axes ``AxisType.Auto`` (GSPMD).
     axis: the data-parallel mesh axis, or None for no ZeRO: each state leaf
       then mirrors its parameter's sharding ("shard like the params").
 
   Returns:
     A tree of ``NamedSharding`` with the structure of ``tx.init(params)``,
-    ``optax.MaskedNode`` holes included.
+    ``optax.MaskedNode`` holes and linen boxes included.
 
   Raises:
     ValueError: if ``axis`` is not an axis of ``mesh``.
@@ -141,6 +143,11 @@ def zero1_shardings(
   """
   if axis is not None and axis not in mesh.axis_names:
     raise ValueError(f"zero1_shardings: axis {axis!r} is not an axis of the mesh {mesh.shape}.")
+  if adapters.has_linen_boxes(params):
+    # flax linen boxes: each boxed param contributes its names as its spec, and
+    # the shardings come back in the boxes of the state tx.init makes of them.
+    shardings = zero1_shardings(tx, _with_box_specs(params, mesh), mesh, axis)
+    return adapters.boxed_like(jax.eval_shape(tx.init, params), shardings)
   replicated = NamedSharding(mesh, PartitionSpec())
   abstract_state = jax.eval_shape(tx.init, params)
 
@@ -194,6 +201,26 @@ def zero1_shardings(
       transform_non_params=lambda tree: jax.tree.map(lambda _: replicated, tree),
       is_leaf=is_leaf,
     )
+
+
+def _with_box_specs(params: Any, mesh: Mesh) -> Any:
+  """Returns ``params`` unboxed, each flax linen box's leaf as a
+  ``jax.ShapeDtypeStruct`` sharded by the box's ``names`` (those of ``mesh``'s
+  axes; another name, a logical one, counts as replicated) unless it already
+  carries a sharding on a mesh of ``mesh``'s shape."""
+  box_type = adapters.linen_box_type()
+
+  def spec_of(node: Any) -> Any:
+    if not isinstance(node, box_type) or not hasattr(node, "names"):
+      return node
+    value = adapters.unboxed(node)
+    if _param_spec(value, mesh, np.ndim(value)) != (None,) * np.ndim(value):
+      return value
+    names = [tuple(n for n in _axes(name) if n in mesh.axis_names) or None for name in node.names]
+    sharding = NamedSharding(mesh, _canonical(names, mesh))
+    return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)
+
+  return jax.tree.map(spec_of, params, is_leaf=lambda x: isinstance(x, box_type))
 
 
 def _fitting(entries: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> tuple[Any, ...]:
