@@ -130,3 +130,122 @@ def test_flax_dynamic_scale_skips_only_the_first_step_of_a_float16_loss():
       flags[name].append(bool(finite))
   assert flags == {"float16": [False, True, True, True], "float32": [True] * 4}
   assert float(scale.scale) == 65536.0
+
+
+# --- every page: a list of modes names every mode of the code ----------------
+#
+# A list of the `masters=` modes or the `moments=` formats that a page keeps is
+# marked by `<!-- modes: masters -->`, `<!-- modes: moments -->` or both
+# (`<!-- modes: masters moments -->`) on the line before it; the list is what
+# follows up to the next blank line outside a code block (a table, a list, a
+# paragraph or a snippet). Unmarked paragraphs (not table rows) that name
+# three or more masters modes, or both "bfloat16" and "8bit" moments, in
+# quotes, are lists too. Each must name
+# every mode the code has, so that a new mode cannot leave a page stale.
+
+MODES_MARK = re.compile(r"<!-- modes: ([a-z ]+) -->")
+
+
+def mode_names() -> dict[str, tuple[str, ...]]:
+  from mpx._src import moments, storage
+
+  return {"masters": tuple(storage.MODES), "moments": tuple(moments.FORMATS)}
+
+
+def spellings(mode: str) -> tuple[str, ...]:
+  """How prose may name a mode: `"4bit"`, 4bit, 4-bit."""
+  return (mode, mode.replace("bit", "-bit")) if mode[0].isdigit() else (mode,)
+
+
+def names(text: str, mode: str) -> bool:
+  return any(re.search(rf"(?<![\w-]){re.escape(s)}(?![\w-])", text) for s in spellings(mode))
+
+
+def blocks_after_marks(text: str):
+  """(line number, kinds, block) for each mark: the lines after it up to the
+  first blank line outside a code fence."""
+  lines = text.splitlines()
+  for number, line in enumerate(lines):
+    mark = MODES_MARK.search(line)
+    if not mark:
+      continue
+    block, fenced = [], False
+    for following in lines[number + 1 :]:
+      if following.startswith("```"):
+        fenced = not fenced
+      if not following.strip() and not fenced:
+        break
+      block.append(following)
+    yield number + 1, mark.group(1).split(), "\n".join(block)
+
+
+def paragraphs(text: str):
+  """(line number, paragraph) outside code fences, and whether a mark precedes it."""
+  start, lines, fenced, marked = 0, [], False, False
+  for number, line in enumerate([*text.splitlines(), ""], 1):
+    if line.startswith("```"):
+      fenced = not fenced
+      continue
+    if fenced:
+      continue
+    if not line.strip():
+      if lines:
+        yield start, "\n".join(lines), marked
+      lines, marked = [], False
+      continue
+    if MODES_MARK.search(line):
+      marked = True
+      continue
+    if line.startswith("|"):  # a table row: a list only where marked
+      continue
+    if not lines:
+      start = number
+    lines.append(line)
+
+
+def stale_mode_lists(text: str, page: str) -> list[str]:
+  modes, stale = mode_names(), []
+  for number, kinds, block in blocks_after_marks(text):
+    for kind in kinds:
+      assert kind in modes, f"{page}:{number}: unknown mark {kind!r}"
+      missing = [m for m in modes[kind] if not names(block, m)]
+      if not block.strip() or missing:
+        left_out = missing or "everything"
+        stale.append(f"{page}:{number}: the marked {kind} list leaves out {left_out}")
+  quoted = lambda mode, p: f'"{mode}"' in p  # noqa: E731
+  for number, paragraph, marked in paragraphs(text):
+    if marked:
+      continue
+    masters = [m for m in modes["masters"] if quoted(m, paragraph)]
+    if len(masters) >= 3 and len(masters) < len(modes["masters"]):
+      stale.append(f"{page}:{number}: names the masters modes {masters}, not all: complete it")
+    formats = [m for m in modes["moments"] if m != "full" and quoted(m, paragraph)]
+    if {"bfloat16", "8bit"} <= set(formats) and len(formats) < len(modes["moments"]) - 1:
+      stale.append(f"{page}:{number}: names the moments {formats}, not all: complete it")
+  return stale
+
+
+def test_every_list_of_modes_in_the_docs_names_every_mode_of_the_code():
+  stale, marks = [], 0
+  for page in PAGES:
+    text = page.read_text()
+    marks += len(MODES_MARK.findall(text))
+    stale += stale_mode_lists(text, page.name)
+  assert marks >= 9, f"only {marks} marked mode lists: has the marking changed?"
+  assert not stale, "\n".join(stale)
+
+
+def test_the_mode_list_check_catches_a_list_without_the_newest_mode():
+  page = 'Modes:\n\n<!-- modes: masters -->\n- `"full"`, `"remainder"` and `"stochastic"`\n'
+  assert stale_mode_lists(page, "p") == ["p:3: the marked masters list leaves out ['24bit']"]
+  unmarked = (
+    'Store them `"full"`, as `"remainder"` or `"stochastic"`.\n\n'
+    'The `"bfloat16"` or `"8bit"` moments.'
+  )
+  assert len(stale_mode_lists(unmarked, "p")) == 2
+  whole = (
+    "<!-- modes: masters moments -->\n```python\n"
+    'for m in ("full", "remainder", "24bit", "stochastic"):\n\n'
+    '  x = ("bfloat16", "8bit", "4-bit")\n```\n'
+  )
+  assert stale_mode_lists(whole, "p") == []

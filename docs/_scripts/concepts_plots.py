@@ -1,4 +1,4 @@
-"""Draws the two figures of docs/concepts_figures.md into docs/_static/.
+"""Draws the two figures of docs/concepts.md into docs/_static/.
 
 1. ``lost_bf16_updates.png``: a weight w = 1.0 under 600 SGD steps of
    ``lr * grad = 1e-3`` in float32, in plain bfloat16, and in bfloat16 with
