@@ -20,17 +20,18 @@ def check_master_precision(opt_state: optax.OptState) -> None:
 
   A 24-bit master keeps 15 bits of mantissa, so an update below half the
   spacing of 24-bit values at a weight is lost, and one below the spacing is
-  rounded to a step of twice its size or to none. Each step counts, in the
-  state's ``stalled_steps``, whether at some leaf the largest update was
-  below the spacing at that leaf's largest master (both over a sample
-  spread evenly over every dimension of the leaf, a 256th of it, at least
-  256 elements and at most 4096, so that no whole leaf is read): the
-  learning rate can no
-  longer move the largest weights (the check FlashOptim makes of its
-  24-bit masters, here made of the updates themselves, inside the jitted
-  step). Counting costs no host sync; this check reads the count, so call it
-  where the loop syncs anyway (at logging). States of other modes are not
-  checked: their masters are float32.
+  rounded to a step of twice its size or to none. Each applied step counts,
+  in the state's ``stalled_steps``, whether at some leaf the largest update
+  was below the spacing at that leaf's largest master: the learning rate can
+  no longer move the largest weights (the check FlashOptim makes of its
+  24-bit masters, here of the updates themselves, inside the jitted step).
+  The step is applied all the same. Both maxima are read over a sample
+  spread evenly over every dimension of the leaf (a 256th of it, 256 to
+  4096 elements, a smaller leaf whole), so large weights that fall between
+  the sampled elements go unseen: a warning, not a proof (docs/concepts_masters.md).
+  Counting costs no host sync; this check reads the count, so call it where
+  the loop syncs anyway (at logging). States of other modes are not checked:
+  their masters are float32.
 
   Args:
     opt_state: an optimizer state; its :class:`~mpx.MixedPrecision24bitState`

@@ -208,7 +208,7 @@ def _with_box_specs(params: Any, mesh: Mesh) -> Any:
   ``jax.ShapeDtypeStruct`` sharded by the box's ``names`` (those of ``mesh``'s
   axes; another name, a logical one, counts as replicated) unless it already
   carries a sharding on a mesh of ``mesh``'s shape."""
-  box_type = adapters.linen_box_type()
+  box_type: Any = adapters.linen_box_type()  # not None: params hold a box
 
   def spec_of(node: Any) -> Any:
     if not isinstance(node, box_type) or not hasattr(node, "names"):

@@ -87,12 +87,12 @@ class MixedPrecision24bitState(NamedTuple):
     nonfinite_steps: as in :class:`MixedPrecisionState`.
     stalled_steps: int32, the number of applied steps on which, at some leaf,
       the largest update was below the spacing of 24-bit masters at the
-      leaf's largest master (both over a sample spread evenly over every
-      dimension of the leaf: a 256th of it, at least 256 elements and at
-      most 4096): a
-      learning rate too small for the largest weights, whose updates then
-      round away or double.
-      :func:`mpx.check_master_precision` raises on it.
+      leaf's largest master: a learning rate too small for the largest
+      weights, whose updates then round away or double. Both maxima are read
+      over a sample spread evenly over every dimension of the leaf (a 256th
+      of it, 256 to 4096 elements, a smaller leaf whole): large weights
+      between the sampled elements go unseen. The step is applied all the
+      same; :func:`mpx.check_master_precision` raises on a nonzero count.
     inner_state: the wrapped rule's state, built on the float32 master view.
   """
 
