@@ -105,7 +105,12 @@ def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(update_fn)
   def update(updates: Any, state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    if params is None or not has_linen_boxes(params):
+    # Inline, not has_linen_boxes: every step of every mode passes here.
+    meta = sys.modules.get("flax.core.meta")  # flax not imported: no box to see
+    if meta is None or params is None:
+      return update_fn(updates, state, params, *args, **kwargs)
+    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
       return update_fn(updates, state, params, *args, **kwargs)
     new_updates, new_state, *rest = update_fn(
       without_linen_boxes(updates),
