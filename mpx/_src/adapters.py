@@ -1,9 +1,5 @@
-"""What other libraries' rules and layers need of mpx, kept out of the step.
-
-optax's lookahead, L-BFGS and SM3, flax's fp8 layers, and the flax linen
-boxes an ``update`` may receive; fitting the boxes around state leaves at
-``init`` lives in :mod:`mpx._src.variables`.
-"""
+"""What other libraries' rules and layers need of mpx (optax's lookahead, L-BFGS
+and SM3; flax's fp8 layers and linen boxes), kept out of the step."""
 
 from __future__ import annotations
 

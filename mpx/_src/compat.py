@@ -1,8 +1,5 @@
-"""What differs between the jax and flax releases mpx supports, in one place.
-
-Each entry names the releases it serves and the test that pins it; the table
-is docs/design.md's "Supported versions".
-"""
+"""What differs between the jax and flax releases mpx supports
+(docs/design.md, "Supported versions")."""
 
 from __future__ import annotations
 

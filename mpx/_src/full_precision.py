@@ -1,8 +1,5 @@
-"""``init_from_full_precision``: masters seeded from full-precision weights.
-
-``mixed_precision``'s ``init`` asks :func:`full_precision_sources` what each
-master is made from (docs/design.md, "the one context variable").
-"""
+"""``init_from_full_precision``: masters seeded from full-precision weights
+(docs/design.md, "the one context variable")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``loss_scale``: dynamic (or static) loss scaling with step skipping.
-
-The scale and its counters live in the state; the settings in
-:class:`ScaleRule`, the pure rule that moves the scale (docs/design.md).
-"""
+"""``loss_scale``: dynamic (or static) loss scaling with step skipping; the pure
+rule that moves the scale is :class:`ScaleRule`."""
 
 from __future__ import annotations
 
@@ -356,8 +353,7 @@ def loss_scale(
     growth_interval: number (>= 1) of consecutive finite steps before growth.
     min_scale: floor of the scale, at least ``2**-126``.
     max_scale: cap of the scale, at most ``2**126``.
-    hysteresis: number (>= 1) of consecutive non-finite steps before the
-      scale backs off.
+    hysteresis: number (>= 1) of non-finite steps in a row before a backoff.
     axis_name: mapped axis name(s) to agree on the verdict across devices.
 
   Returns:

@@ -1,9 +1,5 @@
-"""Which program a step is lowered to: XLA:CPU's, or any other platform's.
-
-The step's forms that differ by program (the skip, the finite check, the
-moments' write order) all ask :func:`by_platform`; docs/design.md, "Two
-platforms, one step", lists each with its reason.
-"""
+"""Which program a step is lowered to: XLA:CPU's or the accelerators'
+(docs/design.md, "Two platforms, one step")."""
 
 from __future__ import annotations
 

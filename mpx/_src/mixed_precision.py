@@ -1,8 +1,5 @@
-"""``mixed_precision``: high-precision master weights inside the optimizer state.
-
-``update`` is the four steps docs/design.md draws; each leaf's storage kind
-(:mod:`mpx._src.storage`) answers what depends on the mode.
-"""
+"""``mixed_precision``: master weights inside the optimizer state; ``update``
+is the four steps docs/design.md draws."""
 
 from __future__ import annotations
 
@@ -44,29 +41,24 @@ def mixed_precision(
 ) -> verdict.TakesLossScaledGradients:
   """Keeps ``dtype`` master weights and runs ``inner`` on them.
 
-  Every floating param narrower than ``dtype`` has a master in the state; the
-  inner rule is initialised and updated on the masters (other leaves as they
-  are), and the returned updates land each param on its new master's
-  rounding. A step whose gradients, as ``inner`` receives them, hold inf or
-  NaN is skipped: zero updates, the state unchanged but ``nonfinite_steps``.
-  ``mixed_precision`` must wrap the whole rule. The modes, their bytes and
-  corner cases: docs/concepts_masters.md, docs/guarantees.md.
+  Every floating param narrower than ``dtype`` has a master; ``inner`` runs on
+  the masters (other leaves as they are), and the updates land each param on
+  its new master's rounding. A step whose gradients, as ``inner`` receives
+  them, hold inf or NaN is skipped: zero updates, the state unchanged but
+  ``nonfinite_steps``. Wrap the whole rule. Modes: docs/concepts_masters.md.
 
   Args:
     inner: the optax rule to run in high precision, e.g. ``optax.adamw(3e-4)``.
     dtype: the floating dtype of the masters and of the inner rule.
     masters: ``"full"`` (a ``dtype`` copy), or for bfloat16 params under
-      float32 masters ``"remainder"`` (its low 16 bits), ``"24bit"`` (its
-      top 8 of those: a 24-bit master rounded to nearest, see
-      :func:`mpx.check_master_precision`) or ``"stochastic"`` (no master;
-      stochastic rounding).
+      float32 masters ``"remainder"`` (its low 16 bits), ``"24bit"`` (their
+      top 8 bits: :func:`mpx.check_master_precision`) or ``"stochastic"``
+      (no master; stochastic rounding).
     moments: ``"full"``, ``"bfloat16"``, ``"8bit"`` or ``"4bit"``: how the
-      inner state's leaves under ``moment_fields`` of at least 4096 elements
-      are stored; or a mapping of field names to those formats, e.g.
-      ``{"mu": "8bit", "nu": "4bit"}`` (docs/moment_codes.md: which to pick).
-    moment_fields: the state fields ``moments`` compresses: a sequence (``nu``
-      and ``nu_max`` non-negative, others signed) or a mapping to
-      ``"signed"``/``"nonnegative"``, e.g. for ``optax.adan``.
+      leaves of 4096 elements or more under ``moment_fields`` are stored; or
+      a mapping of fields to formats, e.g. ``{"mu": "8bit", "nu": "4bit"}``.
+    moment_fields: the fields ``moments`` compresses: a sequence (``nu`` and
+      ``nu_max`` non-negative) or a mapping to ``"signed"``/``"nonnegative"``.
     seed: the seed of the random bits of stochastic rounding (an integer).
 
   Returns:

@@ -1,9 +1,5 @@
-"""Bit operations that turn a float32 master into a bfloat16 param and back.
-
-Ties-away rounding, ``split``/``join`` with an int16 remainder (or an int8
-one, for a 24-bit master), saturation and stochastic rounding;
-docs/concepts_masters.md says why each is so.
-"""
+"""Bit operations between float32 masters and bfloat16 params: ties-away
+rounding, remainders, saturation and stochastic rounding."""
 
 from __future__ import annotations
 

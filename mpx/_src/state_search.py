@@ -1,8 +1,4 @@
-"""Finding and replacing states of a given type wherever optax nests them.
-
-Instances of the type are treated as leaves, so they are found at any depth
-without knowing the wrappers (chain, ``MultiSteps``, partitions) around them.
-"""
+"""Finding and replacing states of a given type wherever optax nests them."""
 
 from __future__ import annotations
 

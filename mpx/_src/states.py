@@ -1,8 +1,4 @@
-"""Every optimizer state mpx makes, in one place.
-
-A state type lives here and nowhere else, so each transformation reads the
-other's state through these types (docs/design.md, "The modules").
-"""
+"""Every optimizer state mpx makes, in one place (docs/design.md, "The modules")."""
 
 from __future__ import annotations
 

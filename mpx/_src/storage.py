@@ -1,9 +1,5 @@
-"""Where the full-precision weights live: one storage kind per parameter leaf.
-
-A kind (:class:`StorageKind`) says what the state holds for a leaf and how a
-step moves it; a :class:`Mode` (``masters=``) picks each leaf's kind. The
-table of kinds: docs/design.md, "The storage kinds".
-"""
+"""Where the full-precision weights live: a storage kind per param leaf, picked
+by the ``masters=`` mode (docs/design.md, "The storage kinds")."""
 
 from __future__ import annotations
 

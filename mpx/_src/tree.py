@@ -1,9 +1,4 @@
-"""Pytree helpers for mixed precision: leaf types, holes, selection and casting
-(saturating, and rounding in a form XLA keeps), and one jitted call per leaf
-for eager callers.
-
-Only floating leaves are cast; counters, booleans and PRNG keys pass through.
-"""
+"""Pytree helpers: leaf types, holes, selection, and casts of floating leaves only."""
 
 from __future__ import annotations
 

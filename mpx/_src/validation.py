@@ -1,11 +1,5 @@
-"""Checks of the transformations' inputs, at construction or trace time: an
-error naming the leaf and the fix instead of a silent wrong answer
-(docs/guarantees.md). None costs a compiled step anything.
-
-Each transformation checks one step's inputs from one entry point
-(:func:`check_mixed_precision_inputs`, :func:`check_loss_scale_inputs`) and
-what its inner rule returned from another (:func:`check_inner_results`).
-"""
+"""Checks of the transformations' inputs at trace time, each naming the leaf and
+the fix (docs/guarantees.md); none costs the compiled step anything."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The boxes around the state leaves that mpx derives from a param: flax nnx
-``Variable``s, flax linen ``Partitioned`` (any ``AxisMetadata`` with
-``names``), and optax's params placeholder (``tree_map_params``)."""
+"""The boxes around state leaves derived from a param: nnx ``Variable``s,
+linen ``Partitioned`` boxes and optax's params placeholder."""
 
 from __future__ import annotations
 

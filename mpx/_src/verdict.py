@@ -1,8 +1,5 @@
-"""A step's verdict (every gradient finite as the inner rule receives it), and the skip it steers.
-
-One rule for both transformations; who computes it: docs/design.md, "One
-verdict, and who computes it".
-"""
+"""A step's verdict (every gradient finite as the inner rule receives it) and
+the skip it steers (docs/design.md, "One verdict, and who computes it")."""
 
 from __future__ import annotations
 
