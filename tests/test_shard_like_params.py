@@ -545,3 +545,23 @@ def test_linen_partitioned_state_shards_and_trains(masters, moments):
     # The sharded gradients are summed in another order: the params agree to
     # a bfloat16 rounding (stochastic rounding may land a float32 ulp apart).
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2)
+
+
+def test_zero1_shardings_maps_logically_partitioned_boxes_by_the_rules_in_force():
+  """nn.with_logical_partitioning's boxes hold logical names: zero1_shardings
+  maps them by flax's rules, as nn.logical_to_mesh_sharding maps the params."""
+  from flax import linen as nn
+
+  mesh, param_shardings = on_mesh("both")
+  bare = make_params()
+  names = {"w1": ("batch", "hidden"), "w2": ("hidden", "batch"), "b": ("hidden",), "norm": (None,)}
+  logical = {k: nn.LogicallyPartitioned(v, names=names[k]) for k, v in bare.items()}
+  tx = make_tx("remainder", "per-field")
+  with nn.logical_axis_rules([("batch", "data"), ("hidden", "model")]):
+    for axis in (None, "data"):
+      got = mpx.zero1_shardings(tx, logical, mesh, axis)
+      want = mpx.zero1_shardings(tx, jax.device_put(bare, param_shardings), mesh, axis)
+      assert jax.tree.leaves(got) == jax.tree.leaves(want), axis
+  # Without rules the logical names are no mesh axes: every leaf replicated but for ZeRO-1.
+  got = mpx.zero1_shardings(tx, logical, mesh, None)
+  assert all(s.spec == P() for s in jax.tree.leaves(got))

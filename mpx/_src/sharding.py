@@ -7,6 +7,7 @@ what it saves, why it is bitwise the replicated run and how to pin the step.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import jax
@@ -205,8 +206,8 @@ def zero1_shardings(
 
 def _with_box_specs(params: Any, mesh: Mesh) -> Any:
   """Returns ``params`` unboxed, each flax linen box's leaf as a
-  ``jax.ShapeDtypeStruct`` sharded by the box's ``names`` (those of ``mesh``'s
-  axes; another name, a logical one, counts as replicated) unless it already
+  ``jax.ShapeDtypeStruct`` sharded by the box's partition spec (its mesh
+  axes of ``mesh``; any other name counts as replicated) unless it already
   carries a sharding on a mesh of ``mesh``'s shape."""
   box_type: Any = adapters.linen_box_type()  # not None: params hold a box
 
@@ -216,7 +217,12 @@ def _with_box_specs(params: Any, mesh: Mesh) -> Any:
     value = adapters.unboxed(node)
     if _param_spec(value, mesh, np.ndim(value)) != (None,) * np.ndim(value):
       return value
-    names = [tuple(n for n in _axes(name) if n in mesh.axis_names) or None for name in node.names]
+    spec = tuple(node.names)
+    spmd = sys.modules.get("flax.linen.spmd")
+    if hasattr(node, "rules") and spmd is not None:
+      # nn.LogicallyPartitioned: logical names, mapped by its rules or those in force.
+      spec = tuple(spmd.logical_to_mesh_axes(spec, node.rules))
+    names = [tuple(n for n in _axes(entry) if n in mesh.axis_names) or None for entry in spec]
     sharding = NamedSharding(mesh, _canonical(names, mesh))
     return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)
 
