@@ -286,7 +286,9 @@ def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
 @pytest.mark.parametrize(
   ("masters", "moments", "init"),
   [pytest.param("remainder", "8bit", "nnx.jit")]
-  + [pytest.param(*mode, "eager", marks=pytest.mark.slow) for mode in PAIRS],
+  + [pytest.param(*mode, "eager", marks=pytest.mark.slow) for mode in PAIRS]
+  # 4-bit codes, two a byte along the kernel's last axis, split as it is.
+  + [pytest.param("24bit", "4bit", "eager", marks=pytest.mark.slow)],
 )
 def test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh(masters, moments, init):
   assert jax.device_count() == 8, "tests/conftest.py sets 8 host devices"
@@ -315,7 +317,7 @@ def test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh(masters, momen
   }
   # A block scale per row: rows sharded as the kernel's, its blocks whole.
   assert set(scales.values()) <= {("data", None)}
-  assert bool(scales) == (moments == "8bit")
+  assert bool(scales) == (moments in ("8bit", "4bit"))
 
 
 # ----------------------------------------------------------------------------

@@ -316,7 +316,8 @@ def _lookup(index: jax.Array, table: np.ndarray) -> jax.Array:
   """``table[index]`` for a small constant table (a power of two long), as a
   tree of selects on the bits of ``index``: for 8 entries 7 selects on 3 bit
   tests, where a chain takes 7 selects on 7 comparisons."""
-  level = [jnp.full(index.shape, value, jnp.float32) for value in table]
+  # Like index, its sharding too (an explicit mesh refuses a select of mixed ones).
+  level = [jax.lax.full_like(index, value, jnp.float32) for value in table]
   bit = 0
   while len(level) > 1:
     on = jax.lax.ne(jax.lax.bitwise_and(index, np.int32(1 << bit)), np.int32(0))
