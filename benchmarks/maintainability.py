@@ -25,12 +25,31 @@ PACKAGE = Path(mpx.__file__).resolve().parent
 _COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
 
-def trace_step() -> list[tuple[str, str, bool]]:
+# The steps counted (issue 48's table): the fp16 step with full moments, and
+# the two compressed bf16 steps people choose mpx for.
+STEPS = {
+  "fp16 step": (jnp.float16, lambda: mpx.loss_scale(mpx.mixed_precision(optax.adamw(1e-3)))),
+  "remainder + 8bit step": (
+    jnp.bfloat16,
+    lambda: mpx.mixed_precision(optax.adamw(1e-3), masters="remainder", moments="8bit"),
+  ),
+  "24bit + per-field step": (
+    jnp.bfloat16,
+    lambda: mpx.mixed_precision(
+      optax.adamw(1e-3), masters="24bit", moments={"mu": "8bit", "nu": "4bit"}
+    ),
+  ),
+}
+
+
+def trace_step(name: str = "fp16 step") -> list[tuple[str, str, bool]]:
   """Returns the ``(file, function, checking)`` of every mpx call made while
-  tracing; ``checking``: made inside a trace-time check (a frame of
-  validation.py on the stack, the call's own included)."""
-  params = {"w": jnp.ones((64, 64), jnp.float16), "b": jnp.zeros(64, jnp.float16)}
-  tx = mpx.loss_scale(mpx.mixed_precision(optax.adamw(1e-3)))
+  tracing the step ``name`` of :data:`STEPS`; ``checking``: made inside a
+  trace-time check (a frame of validation.py on the stack, the call's own
+  included)."""
+  dtype, make_tx = STEPS[name]
+  params = {"w": jnp.ones((64, 64), dtype), "b": jnp.zeros(64, dtype)}
+  tx = make_tx()
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   calls: list[tuple[str, str, bool]] = []
@@ -103,16 +122,17 @@ def main() -> None:
   parser.add_argument("--list", action="store_true", help="print every function of the step")
   args = parser.parse_args()
   root = Path(args.root)
-  path = step_path(trace_step())
-  checks = len(path.checks_only)
-  print(
-    f"fp16 step: {len(path.files)} files, {len(path.functions)} functions "
-    f"({len(path.functions) - checks} outside the trace-time checks, {checks} only inside "
-    f"them), {path.switches} calls across files"
-  )
-  if args.list:
-    for f, name in path.functions:
-      print(f"  {f}:{name}" + ("  (checks only)" if (f, name) in path.checks_only else ""))
+  for step in STEPS:
+    path = step_path(trace_step(step))
+    checks = len(path.checks_only)
+    print(
+      f"{step}: {len(path.files)} files, {len(path.functions)} functions "
+      f"({len(path.functions) - checks} outside the trace-time checks, {checks} only inside "
+      f"them), {path.switches} calls across files"
+    )
+    if args.list:
+      for f, name in path.functions:
+        print(f"  {f}:{name}" + ("  (checks only)" if (f, name) in path.checks_only else ""))
   module_total, public = docstrings(root)
   print(f"module docstrings: {module_total} lines")
   print("longest public docstrings: " + ", ".join(f"{name} {n}" for n, name in public[:4]))
