@@ -236,22 +236,29 @@ def reference(masters, moments):
   return history
 
 
-def train_sharded(masters, moments, layout, axis):
-  tx = make_tx(masters, moments)
-  mesh, param_shardings = on_mesh(layout)
-  params = jax.device_put(make_params(), param_shardings)
-  shardings = mpx.zero1_shardings(tx, params, mesh, axis=axis)
-  state = jax.jit(tx.init, out_shardings=shardings)(params)
+def check_steps_bitwise(tx, reference_steps, params, state, shardings, param_shardings, put):
+  """Two jitted steps placed by ``shardings``, fed the fixed gradients (placed
+  by ``put``), give the one-device ``reference_steps``' bits (unboxed)."""
   step = jax.jit(
     functools.partial(train_step, tx),
     in_shardings=(param_shardings, shardings, param_shardings),
     out_shardings=(param_shardings, shardings),
   )
   for (want_params, want_state), grads in zip(
-    reference(masters, moments), make_grads(make_params()), strict=True
+    reference_steps, make_grads(make_params()), strict=True
   ):
-    params, state = step(params, state, jax.device_put(grads, param_shardings))
-    assert bits_equal((params, state), (want_params, want_state)), (layout, axis)
+    params, state = step(params, state, jax.device_put(put(grads), param_shardings))
+    assert bits_equal(unboxed((params, state)), (want_params, want_state))
+
+
+def train_sharded(masters, moments, layout, axis):
+  tx = make_tx(masters, moments)
+  mesh, param_shardings = on_mesh(layout)
+  params = jax.device_put(make_params(), param_shardings)
+  shardings = mpx.zero1_shardings(tx, params, mesh, axis=axis)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  reference_steps = reference(masters, moments)
+  check_steps_bitwise(tx, reference_steps, params, state, shardings, param_shardings, lambda g: g)
 
 
 @pytest.mark.parametrize("masters, moments", MODES)
@@ -406,16 +413,15 @@ def test_every_mode_trains_through_linen_boxes_bitwise(masters, moments):
     param_shardings = nn.get_sharding(params, mesh)
     state = jax.device_put(state, shardings)
     params = jax.device_put(params, param_shardings)
-    step = jax.jit(
-      functools.partial(train_step, tx),
-      in_shardings=(param_shardings, shardings, param_shardings),
-      out_shardings=(param_shardings, shardings),
+    check_steps_bitwise(
+      tx,
+      reference(masters, moments),
+      params,
+      state,
+      shardings,
+      param_shardings,
+      lambda grads, layout=layout: boxed(grads, layout),
     )
-    for (want_params, want_state), grads in zip(
-      reference(masters, moments), make_grads(make_params()), strict=True
-    ):
-      params, state = step(params, state, jax.device_put(boxed(grads, layout), param_shardings))
-      assert bits_equal(unboxed((params, state)), (want_params, want_state)), layout
 
 
 def test_eight_bit_scales_of_a_param_split_on_its_last_axis():
