@@ -151,11 +151,8 @@ def mpx_step(tx: optax.GradientTransformation) -> Callable[[PyTree, PyTree], PyT
 
 
 def mpx_bf16_state(tx, masters, p32):
-  """Builds ``(bf16 params, tx's state)`` from the float32 params.
-
-  The masters are seeded from them, or (stochastic: no master to seed) the
-  state is that of their rounding.
-  """
+  """Builds ``(bf16 params, tx's state)`` from the float32 params: the masters
+  seeded from them, or (stochastic: no master to seed) the state of their rounding."""
   if masters == "stochastic":
     params = copy_tree(p32, BF16)
     return params, tx.init(params)
@@ -343,7 +340,6 @@ def build_cases(
         bad[id(g)] = (with_inf(g),)
       bad_args = bad[id(g)] if variant.skips else None
     built.append((variant, Case(variant.name, fn, state, args, bad_args)))
-  del p32, g32
   return built, unavailable, n, grads
 
 
@@ -352,10 +348,8 @@ def build_cases(
 
 def state_bytes_per_param(variant: Variant, case: Case, n: int) -> float:
   """Counts the state's bytes per parameter beyond the parameters themselves."""
-  state = case.state
-  total = sum(x.nbytes for x in jax.tree.leaves(state))
-  params = state[0]
-  return (total - sum(x.nbytes for x in jax.tree.leaves(params))) / n
+  total = sum(x.nbytes for x in jax.tree.leaves(case.state))
+  return (total - sum(x.nbytes for x in jax.tree.leaves(case.state[0]))) / n
 
 
 # What each storage mode of mixed_precision's state stores per param leaf, by

@@ -19,9 +19,11 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
 
-import gpu_compile  # noqa: E402
+from benchmarks import gpu_compile, gpu_hlo, gpu_variants  # noqa: E402
 
 
 def require_cuda_compiler() -> None:
@@ -60,17 +62,17 @@ ZERO1_SCRATCH_WHY = {
 @pytest.fixture(scope="module")
 def profiles() -> dict:
   require_cuda_compiler()
-  shapes = gpu_compile.model_shapes(SCALE)
-  n = gpu_compile.param_count(shapes)
-  topology = gpu_compile.topology()
+  shapes = gpu_variants.model_shapes(SCALE)
+  n = gpu_variants.param_count(shapes)
+  topology = gpu_variants.topology()
   out = {}
-  for variant in gpu_compile.variants():
-    compiled = gpu_compile.compile_step(variant.make(), shapes, variant.param_dtype, topology)
-    out[variant.name] = (gpu_compile.profile(compiled), n)
+  for variant in gpu_variants.variants():
+    compiled = gpu_variants.compile_step(variant.make(), shapes, variant.param_dtype, topology)
+    out[variant.name] = (gpu_hlo.profile(compiled), n)
   return out
 
 
-NAMES = [v.name for v in gpu_compile.variants()]
+NAMES = [v.name for v in gpu_variants.variants()]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -83,7 +85,7 @@ def test_no_conditional_in_a_gpu_program(profiles, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_bytes_moved_within_2_per_param_of_the_floor(profiles, name):
   profile, n = profiles[name]
-  assert profile.bytes / n <= gpu_compile.FLOORS[name] + 2
+  assert profile.bytes / n <= gpu_variants.FLOORS[name] + 2
 
 
 @pytest.mark.xla_cost
@@ -99,11 +101,11 @@ def test_no_copies_and_scratch_under_a_tenth_of_a_byte_per_param(profiles, name)
 @pytest.fixture(scope="module")
 def zero1() -> dict:
   require_cuda_compiler()
-  shapes = gpu_compile.model_shapes(SCALE)
-  topology = gpu_compile.topology(8)
+  shapes = gpu_variants.model_shapes(SCALE)
+  topology = gpu_variants.topology(8)
   return {
     v.name: gpu_compile.zero1_profile(v, shapes, topology)
-    for v in gpu_compile.variants()
+    for v in gpu_variants.variants()
     if v.name.startswith("mpx")
   }
 
@@ -137,7 +139,7 @@ def test_on_8_gpus_with_zero1_scratch_at_most_the_state_per_device(zero1, name, 
 # the byte floor").
 SWEEP_SIZES = ("64K", "512K")
 SWEEP_NAMES = [
-  gpu_compile.mode_name(masters, moments)
+  gpu_variants.mode_name(masters, moments)
   for masters in gpu_compile.SWEEP_MASTERS
   for moments in gpu_compile.SWEEP_MOMENTS
 ]
@@ -190,17 +192,17 @@ def test_sweep_floors_are_computed_as_documented(swept):
       compressed = [b for b in (mu, nu) if key != "full"]
       floor = fixed + 2 * (mu + nu)
       two_pass = floor + sum(compressed)
-      assert gpu_compile.floor_bytes(masters, moments) == pytest.approx(floor)
-      assert gpu_compile.floor_bytes(masters, moments, two_pass=True) == pytest.approx(two_pass)
-      name = gpu_compile.mode_name(masters, moments)
+      assert gpu_variants.floor_bytes(masters, moments) == pytest.approx(floor)
+      assert gpu_variants.floor_bytes(masters, moments, two_pass=True) == pytest.approx(two_pass)
+      name = gpu_variants.mode_name(masters, moments)
       if name in swept:
         assert swept[name].floor == pytest.approx(floor)
         assert swept[name].two_pass_floor == pytest.approx(two_pass)
       # The one-GPU table's floors count the two passes (the 8-bit ones rounded).
-      if name in gpu_compile.FLOORS:
-        assert gpu_compile.FLOORS[name] == pytest.approx(two_pass, abs=0.1)
-  assert gpu_compile.floor_bytes("full", "full") == gpu_compile.FLOORS["mpx full"] == 32
-  assert gpu_compile.floor_bytes("full", "8bit", two_pass=True) == pytest.approx(22.09375)
+      if name in gpu_variants.FLOORS:
+        assert gpu_variants.FLOORS[name] == pytest.approx(two_pass, abs=0.1)
+  assert gpu_variants.floor_bytes("full", "full") == gpu_variants.FLOORS["mpx full"] == 32
+  assert gpu_variants.floor_bytes("full", "8bit", two_pass=True) == pytest.approx(22.09375)
 
 
 @pytest.mark.xla_cost
@@ -240,7 +242,9 @@ def test_the_gpu_program_still_rounds_where_the_step_rounds(masters, dtype):
   tx = mpx.mixed_precision(optax.adam(1e-3), masters=masters)
   if dtype == "float16":
     tx = mpx.loss_scale(tx)
-  compiled = gpu_compile.compile_step(tx, {"w": (64, 64)}, jnp.dtype(dtype), gpu_compile.topology())
+  compiled = gpu_variants.compile_step(
+    tx, {"w": (64, 64)}, jnp.dtype(dtype), gpu_variants.topology()
+  )
   assert "reduce-precision(" in compiled.as_text()
 
 
@@ -271,6 +275,6 @@ SLICED_REDUCE = """
 
 @pytest.mark.parametrize(("called", "expected"), [("fused_reduce", 256), ("fused_whole", None)])
 def test_a_reduction_of_a_slice_reads_the_slice_alone(called, expected):
-  computations = gpu_compile._computations(SLICED_REDUCE)
+  computations = gpu_hlo._computations(SLICED_REDUCE)
   rest = f"%a, %b), kind=kInput, calls=%{called}"
-  assert gpu_compile._sliced_elements(computations, "f32[]", rest) == expected
+  assert gpu_hlo._sliced_elements(computations, "f32[]", rest) == expected
