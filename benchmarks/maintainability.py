@@ -25,7 +25,7 @@ PACKAGE = Path(mpx.__file__).resolve().parent
 _COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
 
-# The steps counted (issue 48's table): the fp16 step with full moments, and
+# The steps counted: the fp16 step with full moments, and
 # the two compressed bf16 steps people choose mpx for.
 STEPS = {
   "fp16 step": (jnp.float16, lambda: mpx.loss_scale(mpx.mixed_precision(optax.adamw(1e-3)))),

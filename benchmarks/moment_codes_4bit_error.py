@@ -1,6 +1,6 @@
 """How far Adam with 4-bit moments strays from float32 Adam, fed one heavy-tailed
 gradient stream: mpx's 8-bit and 4-bit codes (mpx/_src/moment_codes_4bit.py),
-per-field mixes, and torchao's ``AdamW4bit`` (issue 37, "4-bit moments").
+per-field mixes, and torchao's ``AdamW4bit`` (docs/moment_codes.md, "4 bits").
 
 The stream: Student t (``--df`` degrees of freedom, 2.5 by default) times a
 scale per row, log-uniform over 1e-3 .. 1, shape ``--shape`` (512x1024), for

@@ -51,7 +51,7 @@ def test_each_transformation_checks_its_inputs_once_per_trace(calls):
 
 # The compressed steps' ceilings as they stand (as this suite traces them:
 # what earlier tests cached is not called again), so that they only come
-# down; issue 48's aim is 9 modules and 75 functions each, checks included.
+# down; the aim is 9 modules and 75 functions each, checks included.
 COMPRESSED_CEILINGS = {"remainder + 8bit step": (11, 127), "24bit + per-field step": (12, 187)}
 
 
