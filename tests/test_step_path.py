@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import pathlib
 import sys
+from unittest import mock
 
 import pytest
 from lowering_forms import forced
@@ -19,8 +20,10 @@ from benchmarks import maintainability  # noqa: E402
 
 def traced(step: str = "fp16 step"):
   """``maintainability.trace_step(step)`` in the form a one-device process
-  lowers, as the benchmark counts it (this process has 8 host devices)."""
-  with forced("one-cpu"):
+  lowers, as the benchmark counts it (this process has 8 host devices), and
+  as if flax were not imported (the benchmark's process has no linen boxes to
+  look for; another test may have imported it here)."""
+  with forced("one-cpu"), mock.patch.dict(sys.modules, {"flax.core.meta": None}):
     return maintainability.trace_step(step)
 
 
