@@ -58,6 +58,7 @@ def test_each_transformation_checks_its_inputs_once_per_trace(calls):
 COMPRESSED_CEILINGS = {"remainder + 8bit step": (11, 127), "24bit + per-field step": (12, 187)}
 
 
+@pytest.mark.slow  # two traces of compressed steps: 15 s on 2 cores
 @pytest.mark.parametrize("step", sorted(COMPRESSED_CEILINGS))
 def test_the_compressed_steps_read_no_more_modules_and_functions_than_today(step):
   path = maintainability.step_path(traced(step))
