@@ -101,7 +101,7 @@ def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(update_fn)
   def update(updates: Any, state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    # Inline, not has_linen_boxes: every step of every mode passes here.
+    # has_linen_boxes inline: every step of every mode passes here.
     meta = sys.modules.get("flax.core.meta")  # flax not imported: no box to see
     if meta is None or params is None:
       return update_fn(updates, state, params, *args, **kwargs)
@@ -120,28 +120,21 @@ def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
   return update
 
 
-def linen_box_type() -> type | None:
-  """Returns flax's ``AxisMetadata`` if flax is imported (else no box can exist)."""
+def is_linen_box(x: Any) -> bool:
+  """Tells whether ``x`` is a flax linen box (an ``AxisMetadata``); never
+  without flax imported, where no box can exist."""
   meta = sys.modules.get("flax.core.meta")
-  return None if meta is None else meta.AxisMetadata
+  return meta is not None and isinstance(x, meta.AxisMetadata)
 
 
 def has_linen_boxes(tree: Any) -> bool:
   """Tells whether ``tree`` holds a flax linen box."""
-  box_type = linen_box_type()
-  if box_type is None:
-    return False
-  is_box = lambda x: isinstance(x, box_type)  # noqa: E731
-  return any(is_box(x) for x in jax.tree.leaves(tree, is_leaf=is_box))
+  return any(is_linen_box(x) for x in jax.tree.leaves(tree, is_leaf=is_linen_box))
 
 
 def without_linen_boxes(tree: Any) -> Any:
   """Returns ``tree`` with every flax linen box replaced by what it holds."""
-  box_type = linen_box_type()
-  if box_type is None:
-    return tree
-  is_box = lambda x: isinstance(x, box_type)  # noqa: E731
-  return jax.tree.map(lambda x: unboxed(x) if is_box(x) else x, tree, is_leaf=is_box)
+  return jax.tree.map(lambda x: unboxed(x) if is_linen_box(x) else x, tree, is_leaf=is_linen_box)
 
 
 def boxed_like(boxed: Any, tree: Any) -> Any:

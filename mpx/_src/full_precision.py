@@ -164,13 +164,13 @@ def _lost_by(kind: Any, full_dtype: Any, allow_rounding: bool) -> str | None:
       "allow_rounding=True to train from the cast params (or cast them with "
       "mpx.cast_tree and call tx.init)"
     )
-  master = getattr(kind, "master_dtype", None)
   if isinstance(kind, storage.Master24bit):
     return (
       "are under masters='24bit', which keeps 24 of float32's 32 bits (a relative "
       "error up to 2**-16): pass allow_rounding=True to round them, or use "
       "masters='remainder' (exact)"
     )
+  master = getattr(kind, "master_dtype", None)
   if master is not None and jnp.finfo(master).bits < jnp.finfo(full_dtype).bits:
     return (
       f"get {jnp.dtype(master)} masters, narrower than their {full_dtype} weights: "
@@ -182,11 +182,9 @@ def _lost_by(kind: Any, full_dtype: Any, allow_rounding: bool) -> str | None:
 def user_paths(tree: Any) -> list[str]:
   """Returns the path of each leaf of ``tree`` as the user wrote it: a flax
   linen box's leaf by the box's path (``"Dense_0/kernel"``, not its ``value``)."""
-  box_type = adapters.linen_box_type()
-  is_box = None if box_type is None else (lambda x: isinstance(x, box_type))
   return [
     tree_lib.path_str(path)
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=adapters.is_linen_box)[0]
     for _ in jax.tree.leaves(node)
   ]
 

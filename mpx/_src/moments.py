@@ -594,14 +594,12 @@ def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFor
     rule = dict(_field_signs(tuple(n for n in moments if isinstance(n, str))))
     signs = tuple((name, named.get(name, rule[name])) for name in moments)
     formats = tuple(moments.items())
-    name = repr(moments)
   else:
     signs = _field_signs(fields)
     formats = tuple((field, moments) for field, _ in signs)
-    name = repr(moments)
   block_scaled = any(c in ("8bit", "4bit") for c in codes)
   return MomentsFormat(
-    name, signs, formats, seed, isinstance(fields, Mapping), compresses, block_scaled
+    repr(moments), signs, formats, seed, isinstance(fields, Mapping), compresses, block_scaled
   )
 
 

@@ -209,10 +209,9 @@ def _with_box_specs(params: Any, mesh: Mesh) -> Any:
   ``jax.ShapeDtypeStruct`` sharded by the box's partition spec (its mesh
   axes of ``mesh``; any other name counts as replicated) unless it already
   carries a sharding on a mesh of ``mesh``'s shape."""
-  box_type: Any = adapters.linen_box_type()  # not None: params hold a box
 
   def spec_of(node: Any) -> Any:
-    if not isinstance(node, box_type) or not hasattr(node, "names"):
+    if not adapters.is_linen_box(node) or not hasattr(node, "names"):
       return node
     value = adapters.unboxed(node)
     if _param_spec(value, mesh, np.ndim(value)) != (None,) * np.ndim(value):
@@ -226,7 +225,7 @@ def _with_box_specs(params: Any, mesh: Mesh) -> Any:
     sharding = NamedSharding(mesh, _canonical(names, mesh))
     return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)
 
-  return jax.tree.map(spec_of, params, is_leaf=lambda x: isinstance(x, box_type))
+  return jax.tree.map(spec_of, params, is_leaf=adapters.is_linen_box)
 
 
 def _fitting(entries: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> tuple[Any, ...]:

@@ -159,12 +159,9 @@ def _for_optax_placeholder(state: Any, compressed_as: str | None) -> Any:
 def _fit_linen_boxes(state: Any) -> Any:
   """Returns ``state`` with each linen box's ``names`` fitting the leaf it holds
   (:func:`_rebox`)."""
-  box_type = adapters.linen_box_type()
-  if box_type is None:
-    return state
 
   def fit(node: Any) -> Any:
-    if not isinstance(node, box_type) or not hasattr(node, "names"):
+    if not adapters.is_linen_box(node) or not hasattr(node, "names"):
       return node
     value: Any = adapters.unboxed(node)
     if moments.is_compressed(value):
@@ -177,7 +174,7 @@ def _fit_linen_boxes(state: Any) -> Any:
       return value  # a scalar rounding key under a matrix's names: unboxed, replicated
     return _rebox(node, value, None)
 
-  return jax.tree.map(fit, state, is_leaf=lambda x: isinstance(x, box_type))
+  return jax.tree.map(fit, state, is_leaf=adapters.is_linen_box)
 
 
 def _rebox(box: Any, value: Any, param_shape: tuple[int, ...] | None) -> Any:
