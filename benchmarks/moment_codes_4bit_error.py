@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.moment_codes_error import coder as table_coder
 from mpx._src import moment_codes as mc8
 from mpx._src import moment_codes_4bit as mc4
 from mpx._src import rounding
@@ -89,29 +90,34 @@ Decode = Callable[[Any], Array]
 
 def code(name: str, sign: mc4.Sign, stochastic: bool) -> tuple[Encode, Decode]:
   """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"``, or
-  ``"4bit linear"`` (mpx's 4-bit nonnegative code on the paper's map, k / 15)."""
+  ``"4bit linear"`` (the 4-bit nonnegative blocks on the paper's map, k / 15).
+  mpx's codes round stochastically; the others, and mpx's levels to nearest,
+  code by a table of levels (``moment_codes_error.coder``)."""
   if name == "f32":
     return (lambda x, key, step: x), (lambda s: s)
   if name == "8bit":
-    return (lambda x, key, step: mc8.encode(x, sign, key, step, stochastic)), mc8.decode
+    return table_coder(None, sign, stochastic)
+  if name == "4bit" and stochastic:
+    return (lambda x, key, step: mc4.encode(x, sign, key, step)), mc4.decode
   if name == "4bit":
-    return (lambda x, key, step: mc4.encode(x, sign, key, step, stochastic)), mc4.decode
+    signed = np.concatenate([-mc4.SIGNED_LEVELS[:0:-1], mc4.SIGNED_LEVELS])
+    return table_coder(signed if sign == "signed" else mc4.NONNEGATIVE_LEVELS, sign, False, True)
   if name == "4bit linear" and sign == "nonnegative":
-    linear = mc4._Code(mc4.LINEAR_LEVELS, False)
-    salted = lambda key: mc4._salted(key, sign)  # noqa: E731
-    return (
-      lambda x, key, step: mc4._encode(linear, x, salted(key), step, stochastic, None),
-      lambda stored: mc4._decode(linear, stored),
-    )
+    return table_coder(np.arange(16) / np.float32(15), sign, stochastic, True)
   raise ValueError(name)
 
 
 def bytes_of(name: str, sign: mc4.Sign, shape: tuple[int, ...]) -> float:
+  """The bytes a moment stored as ``name`` takes per element: for 8 and 4 bits,
+  the codes and float32 scales (an odd row's last element among them)."""
   if name == "f32":
     return 4.0
   if name == "8bit":
-    return mc8.bytes_per_element(shape)
-  return mc4.bytes_per_element(shape, sign)
+    encode = lambda x: mc8.encode(x, sign, jnp.uint32(0), jnp.int32(0))  # noqa: E731
+    stored = jax.eval_shape(encode, jax.ShapeDtypeStruct(shape, jnp.float32))
+  else:
+    stored = mc4.stored_shapes(shape, sign)
+  return sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in stored) / np.prod(shape)
 
 
 NEAREST, STOCHASTIC = False, True

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from mpx._src import moment_codes as mc
+from mpx._src import moment_codes_4bit as mc4
 from mpx._src import rounding
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -100,17 +101,19 @@ def mpx_format(name: str, mu_stochastic: bool, nu_stochastic: bool | None = None
   return Format(label, *bf16(mu_stochastic), *bf16(nu_st))
 
 
-def coder(table: Any, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
-  """Encode and decode of one moment: mpx's code of ``sign`` (``table`` None)
-  or a table of levels."""
-  if table is None:
-    return (lambda x, key, step: mc.encode(x, sign, key, step, stochastic)), mc.decode
-  levels = np.asarray(table, np.float32)
+def coder(
+  table: Any, sign: mc.Sign, stochastic: bool, four_bit: bool = False
+) -> tuple[Encode, Decode]:
+  """One moment's encode and decode: mpx's 8-bit code (``table`` None, stochastic),
+  else by a sorted table (None: the 8-bit levels) in the 8- (4-) bit code's blocks,
+  absmax scales, rounded as told: variants mpx does not offer (to nearest)."""
+  if table is None and stochastic:
+    return (lambda x, key, step: mc.encode(x, sign, key, step)), mc.decode
+  levels = np.unique(mc.level_table(sign)) if table is None else np.asarray(table, np.float32)
+  wide = lambda s: jnp.asarray(levels)[_rows(s[0], four_bit)] * s[1][..., None]  # noqa: E731
   return (
-    lambda x, key, step: _table_encode(levels, x, key, step, stochastic),
-    lambda stored: (
-      jnp.asarray(levels)[stored[0].astype(jnp.int32)] * mc._expand(stored[1], stored[0].shape)
-    ),
+    lambda x, key, step: _table_encode(levels, x, key, step, stochastic, four_bit),
+    lambda s: mc._unblocked(wide(s), s[0].shape[-1]),
   )
 
 
@@ -118,7 +121,7 @@ def float_levels(signed: bool, regions: list[tuple[int, int]]) -> np.ndarray:
   """The levels of a float-like code of ``(octaves, mantissa bits)`` regions, as
   mpx's codes describe theirs, as a sorted table."""
   codes = jnp.arange(256, dtype=jnp.uint8)
-  levels = mc._decode(mc._Code(signed, tuple(regions)), codes, jnp.ones((1,), jnp.float32))
+  levels = mc._decode(mc._float_code(signed, tuple(regions)), codes, jnp.ones((1,), jnp.float32))
   return np.unique(np.asarray(levels))
 
 
@@ -145,12 +148,18 @@ def linear_map(signed: bool) -> np.ndarray:
   return np.linspace(-1, 1, 255) if signed else np.linspace(0, 1, 256)
 
 
+def _rows(x: Array, four_bit: bool = False) -> Array:
+  """``x``'s last axis cut into the blocks of mpx's 8-bit (or 4-bit) code."""
+  layout = mc4.block_layout(x.shape[-1]) if four_bit else mc.block_layout(x.shape)
+  return mc._blocked(x, *layout)
+
+
 def _table_encode(
-  table: np.ndarray, x: Array, key: Array, step: Array, stochastic: bool
+  table: np.ndarray, x: Array, key: Array, step: Array, stochastic: bool, four_bit: bool
 ) -> tuple[Array, Array]:
   """Codes as indices into a sorted table of levels and per-block absmax scales;
   as mpx's codes, no positive value to zero in a nonnegative ([0, 1]) table."""
-  blocked = mc._rows(x)
+  blocked = _rows(x, four_bit)
   scales = jnp.max(jnp.abs(blocked), axis=-1)
   a = blocked / jnp.where(scales > 0, scales, 1)[..., None]
   levels = jnp.asarray(table)
@@ -158,7 +167,7 @@ def _table_encode(
   lo, hi = levels[high - 1], levels[high]
   p = (a - lo) / (hi - lo)
   bits = rounding.random_bits(key, step, x.shape) >> 8
-  u = mc._rows(bits).astype(jnp.float32) * 2.0**-24 if stochastic else 0.5
+  u = _rows(bits, four_bit).astype(jnp.float32) * 2.0**-24 if stochastic else 0.5
   index = jnp.where(p > u, high, high - 1)
   if table[0] == 0:
     index = jnp.where((a > 0) & (index == 0), 1, index)
@@ -169,8 +178,8 @@ def _table_encode(
 
 def _block_rel(c: Array, f: Array) -> Array:
   """``|c - f|_2 / |f|_2`` per block (0 where a block of f is zero)."""
-  num = jnp.sum(jnp.square(mc._rows(c - f)), -1)
-  den = jnp.sum(jnp.square(mc._rows(f)), -1)
+  num = jnp.sum(jnp.square(_rows(c - f)), -1)
+  den = jnp.sum(jnp.square(_rows(f)), -1)
   return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1)), 0).ravel()
 
 
@@ -321,14 +330,10 @@ def candidates_table(shape: tuple[int, int], steps: int, stochastic: bool = True
   print(f"## Candidate 8-bit codes, {ROUNDING[stochastic]}, shape {shape}, {steps} steps: one")
   print("moment compressed, the other float32; upd: the error that moment alone causes")
   print("([k]mN: the top k octaves with N mantissa bits; eXmY: float-like, 127/255 levels)")
+  nu_columns = ["nu med", "nu max", "nu bias", "zeros", "upd med", "upd max"]
   for moment, sign, candidates, columns in (
     ("mu", "signed", MU_CANDIDATES, ["mu med", "mu max", "upd med", "upd max"]),
-    (
-      "nu",
-      "nonnegative",
-      NU_CANDIDATES,
-      ["nu med", "nu max", "nu bias", "zeros", "upd med", "upd max"],
-    ),
+    ("nu", "nonnegative", NU_CANDIDATES, nu_columns),
   ):
     rows = []
     for dist in DISTRIBUTIONS:
@@ -358,15 +363,10 @@ def cost(n: int, repeats: int = 5) -> None:
     return sum(1 for line in text.splitlines() if re.match(r"\s*(ROOT )?%?[\w.-]+ = ", line))
 
   cases: dict[str, Callable] = {"float32 read + write (x + 1)": lambda x, k, c: x + 1.0}
-  for sign in mc.SIGNS:
-    for st in (False, True):
-      cases[f"8bit {sign} {ROUNDING[st]}"] = functools.partial(
-        lambda x, k, c, sign, st: mc.decode(mc.encode(x, sign, k, c, st)), sign=sign, st=st
-      )
-  for st in (False, True):
-    cases[f"bfloat16 {ROUNDING[st]}"] = functools.partial(
-      lambda x, k, c, st: mc.decode_bfloat16(mc.encode_bfloat16(x, k, c, st)), st=st
-    )
+  eight = lambda x, k, c, sign: mc.decode(mc.encode(x, sign, k, c))  # noqa: E731
+  cases.update({f"8bit {s} stochastic": functools.partial(eight, sign=s) for s in mc.SIGNS})
+  bf16 = lambda x, k, c, st: mc.decode_bfloat16(mc.encode_bfloat16(x, k, c, st))  # noqa: E731
+  cases.update({f"bfloat16 {ROUNDING[s]}": functools.partial(bf16, st=s) for s in (False, True)})
   print(f"{'encode + decode':34} {'ms (min of 5)':>14} {'HLO instructions':>17}")
   for name, f in cases.items():
     ms, n_instructions = timed(f, x, key, step), instructions(f, x, key, step)

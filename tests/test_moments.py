@@ -504,7 +504,7 @@ def test_in_a_one_device_process_compressed_moments_are_written_in_place(tmp_pat
   # AdamW's float32 moments: 16 B/param read and written. bfloat16 halves
   # that; 8 bits (codes and scales, about 4 B/param) must save at least 8,
   # which needs each block's maxima computed without writing the new moment
-  # out in float32 (moment_codes._block_scales).
+  # out in float32 (moment_codes._block_max).
   moved = {m: one_device[m][2] for m in one_device}
   assert moved["bfloat16"] <= moved["full"] - 8, moved
   assert moved["8bit"] <= moved["full"] - 8, moved

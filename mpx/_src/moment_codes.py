@@ -1,10 +1,5 @@
-"""The moment codes: bfloat16, and 8 bits per element with a float32 scale per block.
-
-Pure lax functions: :func:`encode` and :func:`decode` for the 8-bit code of each
-sign (with :func:`maxima` and ``encode(..., scales=)``, and :func:`decode_by_table`,
-for a two-pass coder), :func:`encode_bfloat16` and :func:`decode_bfloat16`;
-docs/moment_codes.md explains them.
-"""
+"""The moment codes' block core, shared with the 4-bit codes, and the bfloat16
+and 8-bit codes (docs/moment_codes.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import compat, rounding
-from mpx._src.states import Nonnegative8bitMoment, Signed8bitMoment
+from mpx._src.states import (
+  Nonnegative4bitMoment,
+  Nonnegative8bitMoment,
+  Signed4bitMoment,
+  Signed8bitMoment,
+)
 
 # A moment's sign: "signed" (a first moment, any sign) or "nonnegative" (a
 # second moment, which never decodes to zero).
@@ -36,42 +36,125 @@ MIN_BLOCK = 32
 _ONE_BITS = 0x3F800000  # bits of float32 1.0
 _TINY = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32
 # Salts xored into the caller's key: independent bits per format and sign.
-_SALTS = {"bfloat16": 0x6A09E667, "signed": 0xBB67AE85, "nonnegative": 0x3C6EF372}
+_SALTS = {
+  "bfloat16": 0x6A09E667,
+  "signed": 0xBB67AE85,
+  "nonnegative": 0x3C6EF372,
+  "4bit signed": 0xA54FF53A,
+  "4bit nonnegative": 0x510E527F,
+}
+
+
+# --- The block core: what the 8- and 4-bit codes share ---------------------------
+
+
+def _fit_blocks(n: int, max_block: int, sizes: tuple[range, ...]) -> tuple[int, int]:
+  """Returns ``(block_size, n_blocks)`` for ``n > max_block`` elements: the size
+  in the first of ``sizes`` with divisors of ``n`` that leaves the block count
+  with the most factors of two, then the largest; with none, ``ceil(n /
+  max_block)`` blocks of a size that ``sizes`` steps by, the last one short."""
+  for candidates in sizes:
+    best = max((((n // d) & -(n // d), d) for d in candidates if n % d == 0), default=None)
+    if best:
+      return best[1], n // best[1]
+  blocks = -(-n // max_block)
+  size = -(-n // blocks)
+  size += -size % sizes[0].step
+  return size, -(-n // size)
+
+
+def _blocked(x: jax.Array, size: int, blocks: int) -> jax.Array:
+  """Cuts ``x``'s last axis into ``(blocks, size)``, zero-padding the last block
+  where they do not tile."""
+  pad = size * blocks - x.shape[-1]
+  if pad:
+    x = jax.lax.pad(x, np.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)])
+  return x.reshape((*x.shape[:-1], blocks, size))
+
+
+def _unblocked(wide: jax.Array, n: int) -> jax.Array:
+  """Merges the last two axes of ``wide`` and drops the padding past ``n``."""
+  wide = wide.reshape((*wide.shape[:-2], wide.shape[-2] * wide.shape[-1]))
+  return jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1) if wide.shape[-1] != n else wide
+
+
+def _block_max(x: jax.Array, axes: tuple[int, ...], signed: bool) -> jax.Array:
+  """Returns the largest magnitude (signed) or value (nonnegative) over ``axes``,
+  at least 0, as one two-result reduction, which XLA:CPU fuses the moment's
+  computation into (docs/moment_codes.md)."""
+  zero = np.float32(0)
+  second = jax.lax.min if signed else jax.lax.max
+
+  def reducer(
+    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
+  ) -> tuple[jax.Array, jax.Array]:
+    return jax.lax.max(a[0], b[0]), second(a[1], b[1])
+
+  largest, other = jax.lax.reduce((x, x), (zero, zero), reducer, axes)
+  return jax.lax.max(largest, jax.lax.neg(other) if signed else other)
+
+
+def _salted(key: jax.Array, salt: str) -> jax.Array:
+  """Xors the salt of a format and sign (``_SALTS``) into ``key``."""
+  return jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS[salt]))
+
+
+def _int32_bits(x: jax.Array) -> jax.Array:
+  """Reinterprets float32 ``x`` as int32 bit patterns."""
+  return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _check_sign(sign: str) -> None:
+  """Refuses a sign other than those in :data:`SIGNS`."""
+  if sign not in SIGNS:
+    raise ValueError(f"sign must be one of {SIGNS}, got {sign!r}")
+
+
+def sign_of(stored: EightBitMoment | Signed4bitMoment | Nonnegative4bitMoment) -> Sign:
+  """Returns the sign whose code ``stored`` (8- or 4-bit) holds."""
+  if isinstance(stored, Signed8bitMoment | Signed4bitMoment):
+    return "signed"
+  if isinstance(stored, Nonnegative8bitMoment | Nonnegative4bitMoment):
+    return "nonnegative"
+  raise ValueError(
+    f"expected a Signed8bitMoment or a Nonnegative8bitMoment (or a 4-bit one), got "
+    f"{type(stored).__name__}"
+  )
+
+
+# --- The 8-bit code ------------------------------------------------------------------
 
 
 class _Code(NamedTuple):
-  """Describes a float-like code of magnitudes in [0, 1]: its nonzero levels
-  counted down from 1.0 over ``regions`` of ``(octaves, mantissa bits)``, the
-  last taking the levels left (docs/moment_codes.md)."""
+  """A float-like code of magnitudes in [0, 1] (docs/moment_codes.md): ``(low_bits,
+  low_code, shift)`` per region of levels, from the top, as :func:`_float_code`
+  lays them out. Region ``r`` codes float32 ``bits`` in ``[low_bits, next
+  region's low_bits)`` as ``low_code + ((bits - low_bits) >> shift)``."""
 
   signed: bool
-  regions: tuple[tuple[int, int], ...]
+  layout: tuple[tuple[int, int, int], ...]
 
-  @property
-  def levels(self) -> int:
-    return 127 if self.signed else 255
 
-  def layout(self) -> tuple[tuple[int, int, int], ...]:
-    """Returns ``(low_bits, low_code, shift)`` per region, from the top: region
-    ``r`` codes ``bits`` in ``[low_bits, next region's low_bits)`` as ``low_code
-    + ((bits - low_bits) >> shift)``."""
-    upper_bits, upper_code = _ONE_BITS, self.levels
-    out = []
-    for i, (octaves, mantissa) in enumerate(self.regions):
-      shift = 23 - mantissa
-      n_levels = upper_code - 1 if i == len(self.regions) - 1 else octaves << mantissa
-      upper_bits, upper_code = upper_bits - (n_levels << shift), upper_code - n_levels
-      out.append((upper_bits, upper_code, shift))
-    if upper_code != 1 or upper_bits <= 0x00800000:
-      raise ValueError(f"regions {self.regions} leave no room for {self.levels} levels")
-    return tuple(out)
+def _float_code(signed: bool, regions: tuple[tuple[int, int], ...]) -> _Code:
+  """Lays out the 127 (signed) or 255 nonzero levels counted down from 1.0 over
+  ``regions`` of ``(octaves, mantissa bits)``, the last taking the levels left."""
+  upper_bits, upper_code = _ONE_BITS, 127 if signed else 255
+  layout = []
+  for i, (octaves, mantissa) in enumerate(regions):
+    shift = 23 - mantissa
+    n_levels = upper_code - 1 if i == len(regions) - 1 else octaves << mantissa
+    upper_bits, upper_code = upper_bits - (n_levels << shift), upper_code - n_levels
+    layout.append((upper_bits, upper_code, shift))
+  if upper_code != 1 or upper_bits <= 0x00800000:
+    raise ValueError(f"regions {regions} leave no room for {127 if signed else 255} levels")
+  return _Code(signed, tuple(layout))
 
 
 # More levels near the block's largest, where most elements of a moment sit;
 # 8 per octave below for the range (docs/moment_codes.md).
 CODES: dict[Sign, _Code] = {
-  "signed": _Code(True, ((3, 4), (0, 3))),  # 48 + 79 levels, down to 2**-12.68
-  "nonnegative": _Code(False, ((1, 6), (2, 4), (0, 3))),  # 64 + 32 + 159, to 2**-22.68
+  "signed": _float_code(True, ((3, 4), (0, 3))),  # 48 + 79 levels, down to 2**-12.68
+  "nonnegative": _float_code(False, ((1, 6), (2, 4), (0, 3))),  # 64 + 32 + 159, to 2**-22.68
 }
 
 
@@ -90,29 +173,8 @@ def block_layout(shape: tuple[int, ...]) -> tuple[int, int]:
   n = shape[-1] if shape else 1
   if n <= MAX_BLOCK:
     return n, 1
-
-  def twos(k: int) -> int:
-    return (k & -k).bit_length()
-
-  for low, high in ((MAX_BLOCK // 2 + 1, MAX_BLOCK), (MIN_BLOCK, MAX_BLOCK // 2)):
-    divisors = [d for d in range(low, high + 1) if n % d == 0]
-    if divisors:
-      size = max(divisors, key=lambda d: (twos(n // d), d))
-      return size, n // size
-  blocks = -(-n // MAX_BLOCK)
-  return -(-n // blocks), blocks
-
-
-def _rows(x: jax.Array) -> jax.Array:
-  """Cuts ``x``'s last axis into blocks, ``shape[:-1] + (n_blocks, block)``,
-  zero-padding the last block where they do not tile."""
-  x = x.reshape((1,)) if x.ndim == 0 else x
-  size, blocks = block_layout(x.shape)
-  pad = size * blocks - x.shape[-1]
-  if pad:
-    config = [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)]
-    x = jax.lax.pad(x, np.zeros((), x.dtype), config)
-  return x.reshape((*x.shape[:-1], blocks, size))
+  sizes = (range(MAX_BLOCK // 2 + 1, MAX_BLOCK + 1), range(MIN_BLOCK, MAX_BLOCK // 2 + 1))
+  return _fit_blocks(n, MAX_BLOCK, sizes)
 
 
 def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -121,37 +183,7 @@ def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   size, blocks = block_layout(shape)
   lead = shape[:-1] if shape else ()
   wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
-  wide = wide.reshape((*lead, blocks * size))
-  n = shape[-1] if shape else 1
-  if blocks * size != n:
-    wide = jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1)
-  return wide.reshape(shape)
-
-
-def _salted(key: jax.Array, salt: str) -> jax.Array:
-  """Xors the salt of a format or sign into ``key``."""
-  return jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS[salt]))
-
-
-def _int32_bits(x: jax.Array) -> jax.Array:
-  """Reinterprets float32 ``x`` as int32 bit patterns."""
-  return jax.lax.bitcast_convert_type(x, jnp.int32)
-
-
-def _check_sign(sign: str) -> None:
-  """Refuses a sign other than those in :data:`SIGNS`."""
-  if sign not in SIGNS:
-    raise ValueError(f"sign must be one of {SIGNS}, got {sign!r}")
-
-
-def sign_of(stored: EightBitMoment) -> Sign:
-  """Returns the sign whose code ``stored`` holds."""
-  for sign, stored_type in STORED_TYPES.items():
-    if isinstance(stored, stored_type):
-      return sign
-  raise ValueError(
-    f"expected a Signed8bitMoment or a Nonnegative8bitMoment, got {type(stored).__name__}"
-  )
+  return _unblocked(wide, shape[-1] if shape else 1).reshape(shape)
 
 
 def encode(
@@ -159,7 +191,7 @@ def encode(
   sign: Sign,
   key: jax.Array,
   step: jax.Array,
-  stochastic: bool,
+  stochastic: Literal[True] = True,
   scales: jax.Array | None = None,
 ) -> EightBitMoment:
   """Codes ``x`` (float32) in 8 bits per element and a float32 scale per block.
@@ -172,7 +204,8 @@ def encode(
     step: int32 scalar, the step the random bits are drawn for; it must change
       every time the leaf is encoded anew (mpx passes the count of applied
       steps).
-    stochastic: round up or down at random (unbiased) instead of to nearest.
+    stochastic: always True: rounds up or down at random (unbiased); nearest
+      rounding is a benchmark's (benchmarks/moment_codes_error.py).
     scales: optional, float32 ``(*shape[:-1], n_blocks)``, the scales to code
       against, as :func:`maxima` returns them (a first pass); by default
       ``maxima(x, sign)``. An element larger than its block's scale codes to
@@ -183,13 +216,15 @@ def encode(
     :func:`decode` turns it back into float32.
   """
   _check_sign(sign)
+  if not stochastic:
+    raise ValueError("the 8-bit codes round stochastically only")
   if scales is not None:
     x = jnp.asarray(x, jnp.float32)
     expected = (*x.shape[:-1], block_layout(x.shape)[1]) if x.ndim else (1,)
     scales = jnp.asarray(scales, jnp.float32)
     if scales.shape != expected:
       raise ValueError(f"scales of shape {scales.shape}, expected {expected}")
-  codes, scales = _encode(CODES[sign], x, _salted(key, sign), step, stochastic, scales)
+  codes, scales = _encode(sign, x, _salted(key, sign), step, scales)
   return STORED_TYPES[sign](codes, scales)
 
 
@@ -198,7 +233,9 @@ def maxima(x: jax.Array, sign: Sign) -> jax.Array:
   magnitude, signed; its largest value, at least 0, nonnegative), as its
   ``scales=`` argument takes them."""
   _check_sign(sign)
-  return _block_scales(_rows(jnp.asarray(x, jnp.float32)), CODES[sign].signed)
+  x = jnp.asarray(x, jnp.float32)
+  rows = _blocked(x.reshape((1,)) if x.ndim == 0 else x, *block_layout(x.shape))
+  return _block_max(rows, (rows.ndim - 1,), sign == "signed")
 
 
 def decode(stored: EightBitMoment) -> jax.Array:
@@ -218,36 +255,21 @@ def _region_values(x: jax.Array, bounds: list[int], values: list[int]) -> jax.Ar
   return out
 
 
-def _block_scales(blocked: jax.Array, signed: bool) -> jax.Array:
-  """Returns each block's largest magnitude (nonnegative: largest value), at
-  least 0, as one two-result reduction, which XLA:CPU fuses the moment's
-  computation into (docs/moment_codes.md)."""
-  zero = np.float32(0)
-  second = jax.lax.min if signed else jax.lax.max
-
-  def reducer(
-    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
-  ) -> tuple[jax.Array, jax.Array]:
-    return jax.lax.max(a[0], b[0]), second(a[1], b[1])
-
-  largest, other = jax.lax.reduce((blocked, blocked), (zero, zero), reducer, (blocked.ndim - 1,))
-  return jax.lax.max(largest, jax.lax.neg(other) if signed else other)
-
-
 def _encode(
-  code: _Code,
+  sign: Sign,
   x: jax.Array,
   key: jax.Array,
   step: jax.Array,
-  stochastic: bool,
   given: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(codes, scales)`` of ``x`` in ``code``, with an already salted
-  ``key``, against the ``given`` scales (None: ``x``'s block maxima)."""
+  """Returns ``(codes, scales)`` of ``x`` in the code of ``sign``, with an
+  already salted ``key``, against the ``given`` scales (None: ``x``'s block
+  maxima)."""
+  code = CODES[sign]
   x = jnp.asarray(x, jnp.float32)
   shape = x.shape
   zero = np.float32(0)
-  scales = _block_scales(_rows(x), code.signed) if given is None else given
+  scales = maxima(x, sign) if given is None else given
   if code.signed:
     magnitude = jax.lax.abs(x)
   else:
@@ -262,30 +284,24 @@ def _encode(
     # its ratio, above 1, would code past the top level into the sign bit.
     a = jax.lax.min(a, np.float32(1))
   bits = _int32_bits(a)
-  layout = code.layout()
+  layout = code.layout
   bounds = [low for low, _, _ in layout[:-1]]
   # In region r, level = base + ((bits - low + noise) >> shift), which is
   # (bits + noise + (base << shift) - low) >> shift: an offset and a shift.
   offset = _region_values(bits, bounds, [(c << sh) - low for low, c, sh in layout])
   shift = _region_values(bits, bounds, [sh for _, _, sh in layout])
   one = np.int32(1)
-  if stochastic:
-    random = rounding.random_bits(key, step, shape)
-    mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
-    noise = jax.lax.bitwise_and(random.astype(jnp.int32), mask)
-  else:
-    noise = jax.lax.shift_left(one, jax.lax.sub(shift, one))
+  random = rounding.random_bits(key, step, shape)
+  mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
+  noise = jax.lax.bitwise_and(random.astype(jnp.int32), mask)
   level = jax.lax.shift_right_arithmetic(jax.lax.add(jax.lax.add(bits, offset), noise), shift)
   lowest = np.array(layout[-1][0], np.int32).view(np.float32)
   if code.signed:
     # Below the smallest level: to it with probability a / lowest, else to 0.
-    if stochastic:
-      # Via int32 (the value fits 24 bits): uint32 to float32 does not vectorize.
-      uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
-      uniform = uniform.astype(jnp.float32)
-      threshold = jax.lax.mul(uniform, np.float32(lowest * 2.0**-24))
-    else:
-      threshold = jnp.full_like(a, lowest / 2)
+    # Via int32 (the value fits 24 bits): uint32 to float32 does not vectorize.
+    uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
+    uniform = uniform.astype(jnp.float32)
+    threshold = jax.lax.mul(uniform, np.float32(lowest * 2.0**-24))
     # As integers: the bits of non-negative floats order as their values (and
     # then ``a`` is read only as bits, so XLA keeps it in registers).
     small = jax.lax.gt(bits, _int32_bits(threshold))
@@ -312,7 +328,7 @@ def _decode(code: _Code, codes: jax.Array, scales: jax.Array) -> jax.Array:
     )
   k = codes.astype(jnp.int32)
   magnitude = jax.lax.bitwise_and(k, np.int32(127)) if code.signed else k
-  layout = code.layout()
+  layout = code.layout
   bounds = [c for _, c, _ in layout[:-1]]
   # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) + (k << shift).
   offset = _region_values(magnitude, bounds, [low - (c << sh) for low, c, sh in layout])
@@ -337,7 +353,7 @@ def level_table(sign: Sign) -> np.ndarray:
   code = CODES[sign]
   k = np.arange(256, dtype=np.int64)
   magnitude = k & 127 if code.signed else k
-  layout = code.layout()
+  layout = code.layout
   bounds = [c for _, c, _ in layout[:-1]]
   region = np.zeros_like(magnitude)
   for bound in bounds:
@@ -390,11 +406,3 @@ def encode_bfloat16(x: jax.Array, key: jax.Array, step: jax.Array, stochastic: b
 def decode_bfloat16(x: jax.Array) -> jax.Array:
   """Returns a bfloat16 moment in float32 (exact)."""
   return jnp.asarray(x).astype(jnp.float32)
-
-
-def bytes_per_element(shape: tuple[int, ...]) -> float:
-  """Returns the bytes the 8-bit form of a leaf of ``shape`` stores per element:
-  one code plus its share of the float32 scales."""
-  _, blocks = block_layout(shape)
-  n = shape[-1] if shape else 1
-  return 1 + 4 * blocks / n if n else 1.0
