@@ -120,9 +120,7 @@ def coder(
 def float_levels(signed: bool, regions: list[tuple[int, int]]) -> np.ndarray:
   """The levels of a float-like code of ``(octaves, mantissa bits)`` regions, as
   mpx's codes describe theirs, as a sorted table."""
-  codes = jnp.arange(256, dtype=jnp.uint8)
-  levels = mc._decode(mc._float_code(signed, tuple(regions)), codes, jnp.ones((1,), jnp.float32))
-  return np.unique(np.asarray(levels))
+  return np.unique(mc._level_table(mc._float_code(signed, tuple(regions))))
 
 
 def power_levels(signed: bool, p: float) -> np.ndarray:

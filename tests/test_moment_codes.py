@@ -327,7 +327,7 @@ def test_signs_and_formats_draw_independent_bits_from_one_key():
   halfway = x[0] < 1
   ups = []
   for sign in SIGNS:
-    _, d = encode_decode(x, sign, 7, True)
+    _, d = encode_decode(x, sign, 7)
     ups.append((d > x)[0, halfway])
   tie = jnp.full(x.shape, 1 + 2.0**-8, jnp.float32)  # halfway between two bfloat16s
   bf16 = np.asarray(mc.encode_bfloat16(tie, KEY, jnp.int32(7), True)).astype(np.float32)

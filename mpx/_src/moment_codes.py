@@ -238,12 +238,6 @@ def maxima(x: jax.Array, sign: Sign) -> jax.Array:
   return _block_max(rows, (rows.ndim - 1,), sign == "signed")
 
 
-def decode(stored: EightBitMoment) -> jax.Array:
-  """Returns the float32 leaf that ``stored`` codes: each level times its
-  block's scale, in the code its type names."""
-  return _decode(CODES[sign_of(stored)], jnp.asarray(stored.codes), jnp.asarray(stored.scales))
-
-
 def _region_values(x: jax.Array, bounds: list[int], values: list[int]) -> jax.Array:
   """Maps each int32 element of ``x`` to ``values[r]`` of the first region ``r``
   whose lower bound ``bounds[r]`` (descending) it reaches, else ``values[-1]``."""
@@ -317,8 +311,11 @@ def _encode(
   return level.astype(jnp.uint8), scales
 
 
-def _decode(code: _Code, codes: jax.Array, scales: jax.Array) -> jax.Array:
-  """Returns the float32 values that ``codes`` and ``scales`` hold in ``code``."""
+def decode(stored: EightBitMoment) -> jax.Array:
+  """Returns the float32 leaf that ``stored`` codes: each level times its
+  block's scale, in the code its type names."""
+  code = CODES[sign_of(stored)]
+  codes, scales = jnp.asarray(stored.codes), jnp.asarray(stored.scales)
   shape = codes.shape
   _, blocks = block_layout(shape)
   expected = (*shape[:-1], blocks)
@@ -350,7 +347,11 @@ def level_table(sign: Sign) -> np.ndarray:
   """Returns the float32 level of each of the 256 codes of ``sign`` at scale 1
   (the sign bit applied): what :func:`decode` computes, as a table."""
   _check_sign(sign)
-  code = CODES[sign]
+  return _LEVEL_TABLES[sign].copy()
+
+
+def _level_table(code: _Code) -> np.ndarray:
+  """:func:`level_table` of any float-like ``code``, in numpy."""
   k = np.arange(256, dtype=np.int64)
   magnitude = k & 127 if code.signed else k
   layout = code.layout
@@ -365,6 +366,9 @@ def level_table(sign: Sign) -> np.ndarray:
     bits |= (k >> 7) << 31
   levels = bits.astype(np.uint32).view(np.float32)
   return np.where(magnitude == 0, np.float32(0), levels).astype(np.float32)
+
+
+_LEVEL_TABLES = {sign: _level_table(CODES[sign]) for sign in SIGNS}
 
 
 def decode_by_table(stored: EightBitMoment) -> jax.Array:
@@ -382,7 +386,8 @@ def decode_by_table(stored: EightBitMoment) -> jax.Array:
   if scales.shape != (*codes.shape[:-1], blocks):
     raise ValueError(f"scales of shape {scales.shape} do not match codes of shape {codes.shape}")
   k = codes.astype(jnp.int32)
-  level = compat.lookup(level_table(sign), k)
+  # A copy per call: JAX lowers one array object used twice as one constant.
+  level = compat.lookup(_LEVEL_TABLES[sign].copy(), k)
   value = jax.lax.mul(level, _expand(scales, codes.shape))
   magnitude = k
   if sign == "nonnegative":

@@ -380,7 +380,11 @@ def decode(stored: FourBitMoment) -> jax.Array:
     k = jax.lax.slice_in_dim(_unpack(codes, layout.per), 0, layout.n, axis=codes.ndim - 1)
     scale = _spread(scales, layout.size, layout.n)
   else:
-    k = _unpacked(codes, layout.per)
+    # On accelerators by a bitcast to uint4 pairs, the view in which
+    # ``kept_codes`` selects the new codes: read and written alike, XLA writes
+    # the new codes over the old ones in place (read as bytes, it copies).
+    unpack = functools.partial(_unpack, per=layout.per)
+    k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
     scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
   if signed:
     magnitude = _lookup(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), SIGNED_LEVELS)
@@ -430,20 +434,13 @@ def decode_by_table(stored: FourBitMoment) -> jax.Array:
   layout = _Layout.of_codes(codes.shape, scales.shape)
   if layout.tail or not layout.body:
     return decode(stored)
-  k = _unpacked(codes, layout.per)
+  unpack = functools.partial(_unpack, per=layout.per)  # as in decode
+  k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
   scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
   # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
   table = np.concatenate([SIGNED_LEVELS, -SIGNED_LEVELS]) if signed else NONNEGATIVE_LEVELS
   value = jax.lax.mul(compat.lookup(table.astype(np.float32), k), scale)
   return value if signed else _at_least_tiny(value, k)
-
-
-def _unpacked(codes: jax.Array, per: int) -> jax.Array:
-  """``_unpack(codes, per)``; on accelerators by a bitcast to uint4 pairs, the
-  view in which ``kept_codes`` selects the new codes: read and written alike,
-  XLA writes the new codes over the old ones in place (read as bytes, it copies)."""
-  unpack = functools.partial(_unpack, per=per)
-  return lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
 
 
 def _unpack_by_bitcast(codes: jax.Array) -> jax.Array:
