@@ -51,9 +51,11 @@ _SALTS = {
 def _fit_blocks(n: int, max_block: int, sizes: tuple[range, ...]) -> tuple[int, int]:
   """Returns ``(block_size, n_blocks)`` for ``n > max_block`` elements: the size
   in the first of ``sizes`` with divisors of ``n`` that leaves the block count
-  with the most factors of two, then the largest; with none, ``ceil(n /
-  max_block)`` blocks of a size that ``sizes`` steps by, the last one short."""
+  with the most factors of two, then the largest; with none, about ``ceil(n /
+  max_block)`` blocks of ``ceil(n / blocks)`` rounded up to a multiple of the
+  sizes' step (4 bits: even), the last one short."""
   for candidates in sizes:
+    # (the block count's lowest set bit, the size): the largest wins.
     best = max((((n // d) & -(n // d), d) for d in candidates if n % d == 0), default=None)
     if best:
       return best[1], n // best[1]
