@@ -1,5 +1,5 @@
-"""``mixed_precision``: master weights inside the optimizer state; ``update``
-is the four steps docs/design.md draws."""
+"""``mixed_precision``: master weights inside the optimizer state; its
+``update_fn`` is the four steps docs/design.md draws."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Where the inner rule's moments live: as it made them, in bfloat16, 8 or 4 bits.
 
 A :class:`MomentKind` per leaf of the inner state stores it between steps;
-:class:`MomentsFormat` (one ``moments=`` setting) picks them (docs/moment_codes.md).
+:class:`MomentsFormat` (one ``moments=`` setting) picks them (docs/moment_codes.md);
+the accelerator codes 8- and 4-bit moments in two passes (:func:`first_pass`).
 """
 
 from __future__ import annotations
@@ -285,6 +286,160 @@ class MomentsFormat:
       )
 
 
+def _compressible(leaf: Any) -> bool:
+  """Tells whether ``leaf`` is float32 with at least :data:`MIN_SIZE` elements."""
+  return (
+    tree_lib.is_floating(leaf)
+    and tree_lib.leaf_dtype(leaf) == jnp.float32
+    and int(np.prod(np.shape(leaf))) >= MIN_SIZE
+  )
+
+
+def _owners(tree: Any, fields: Sequence[str]) -> list[tuple[str, str] | None]:
+  """Returns, per leaf of ``tree``, ``(state class name, field)`` of the
+  innermost NamedTuple field along its path that is one of ``fields``, or None."""
+  out: list[tuple[str, str] | None] = []
+
+  def walk(node: Any, owner: tuple[str, str] | None) -> None:
+    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+    if len(children) == 1 and children[0][1] is node:  # a leaf
+      out.append(owner)
+      return
+    for path, child in children:
+      key, inner = path[0], owner
+      if isinstance(key, jax.tree_util.GetAttrKey) and key.name in fields:
+        inner = (type(node).__name__, key.name)
+      walk(child, inner)
+
+  walk(tree, None)
+  return out
+
+
+def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFormat:
+  """Returns the validated ``moments=`` and ``moment_fields=`` settings.
+
+  ``moments`` is one format for every field of ``moment_fields``, or a mapping
+  of field names to formats (its keys then are the fields; ``moment_fields``
+  may still name their signs). A mapping is any object ``dict()`` reads as
+  one (a ``Mapping``, or a config object with ``keys()`` such as
+  ``ml_collections.ConfigDict``)."""
+  moments, fields = as_dict(moments), as_dict(fields)
+  per_field = isinstance(moments, dict)
+  codes = list(moments.values()) if per_field else [moments]
+  if not codes or any(not isinstance(c, str) or c not in FORMATS for c in codes):
+    raise ValueError(
+      f"mixed_precision: moments must be one of {', '.join(map(repr, FORMATS))}, or a "
+      "mapping of field names to them (e.g. {'mu': '8bit', 'nu': '4bit'}), got "
+      f"{_described(moments)}."
+    )
+  compresses = any(c != "full" for c in codes)
+  if compresses and jnp.dtype(dtype) != jnp.float32:
+    raise ValueError(
+      f"mixed_precision: moments={moments!r} compresses a float32 inner state; dtype is "
+      f"{jnp.dtype(dtype)}. Use float32 masters, or moments='full'."
+    )
+  if per_field:
+    named = dict(_field_signs(fields)) if isinstance(fields, Mapping) else {}
+    rule = dict(_field_signs(tuple(n for n in moments if isinstance(n, str))))
+    per_field_signs = tuple(
+      (name, code, named.get(name, rule[name])) for name, code in moments.items()
+    )
+  else:
+    per_field_signs = tuple((name, moments, sign) for name, sign in _field_signs(fields))
+  block_scaled = any(c in ("8bit", "4bit") for c in codes)
+  return MomentsFormat(
+    repr(moments), per_field_signs, seed, isinstance(fields, Mapping), compresses, block_scaled
+  )
+
+
+def as_dict(setting: Any) -> Any:
+  """Returns ``setting`` as a dict if it is a mapping (a ``Mapping``, or an
+  object with ``keys()`` and item access, as ``dict()`` reads it), else as it is."""
+  if isinstance(setting, Mapping) or (
+    not isinstance(setting, str | bytes) and callable(getattr(setting, "keys", None))
+  ):
+    return dict(setting)
+  return setting
+
+
+def _described(value: Any) -> str:
+  """Returns ``repr(value)``, with its type named where that is not a builtin."""
+  module = type(value).__module__
+  if module == "builtins":
+    return repr(value)
+  return f"{value!r} (a {module}.{type(value).__qualname__})"
+
+
+def _field_signs(fields: Any) -> tuple[tuple[str, Sign], ...]:
+  """Returns ``moment_fields`` as ``(name, sign)`` pairs: a mapping names each
+  sign; in a sequence, :data:`NONNEGATIVE_FIELDS` are second moments."""
+  if isinstance(fields, Mapping):
+    pairs = tuple(fields.items())
+    bad = [(name, sign) for name, sign in pairs if not isinstance(name, str) or sign not in SIGNS]
+    if bad:
+      raise ValueError(
+        "mixed_precision: moment_fields maps each field name to 'signed' (a first "
+        "moment, e.g. {'mu': 'signed'}) or 'nonnegative' (a second moment, never "
+        f"decoded to zero, e.g. {{'nu': 'nonnegative'}}); got {bad}."
+      )
+    return pairs
+  if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+    raise ValueError(
+      "mixed_precision: moment_fields must be a sequence of field names, e.g. "
+      "('mu', 'nu'), or a mapping of names to 'signed' or 'nonnegative', got "
+      f"{_described(fields)}."
+    )
+  return tuple((f, "nonnegative" if f in NONNEGATIVE_FIELDS else "signed") for f in fields)
+
+
+def is_compressed(x: Any) -> bool:
+  """Tells whether ``x`` is a stored compressed moment (one node for one leaf)."""
+  return isinstance(x, COMPRESSED_MOMENTS)
+
+
+# The kind that decompresses each stored type (a key matters only to compress).
+_KIND_OF_STORED: dict[type, MomentKind] = {
+  Bfloat16Moment: Bfloat16Compressed(0),
+  Signed8bitMoment: EightBitCompressed(0, "signed"),
+  Nonnegative8bitMoment: EightBitCompressed(0, "nonnegative"),
+  Signed4bitMoment: FourBitCompressed(0, "signed"),
+  Nonnegative4bitMoment: FourBitCompressed(0, "nonnegative"),
+}
+
+
+# The stored types of block-scaled moments (8 and 4 bits).
+BLOCK_SCALED_TYPES = (
+  Signed8bitMoment,
+  Nonnegative8bitMoment,
+  Signed4bitMoment,
+  Nonnegative4bitMoment,
+)
+
+
+def param_shape_of(stored: Any) -> tuple[int, ...]:
+  """Returns the shape of the param a compressed moment stands for, as its
+  parts tell it: its codes' or values' shape; a 4-bit moment's last axis
+  doubled (two codes a byte; an odd length's last element is in its scales)."""
+  shape = tuple(np.shape(stored[0]))
+  if isinstance(stored, Signed4bitMoment | Nonnegative4bitMoment) and shape:
+    shape = (*shape[:-1], 2 * shape[-1])
+  return shape
+
+
+def decompressed(stored_inner: Any) -> Any:
+  """Returns ``stored_inner`` with every compressed moment decompressed to float32."""
+
+  def leaf(x: Any) -> Any:
+    kind = _KIND_OF_STORED.get(type(x))
+    if kind is None:
+      return x
+    if hasattr(x[0], "replace_boxed"):  # parts in flax linen boxes: the value boxed like them
+      return x[0].replace_boxed(kind.decompress(type(x)(*(adapters.unboxed(p) for p in x))))
+    return kind.decompress(x)
+
+  return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
+
+
 def compressed(
   moments_format: MomentsFormat,
   new_inner: Any,
@@ -358,6 +513,52 @@ def _written_after(applied_steps: jax.Array, others: list[Any]) -> jax.Array:
   # A reduction, computed once: a scalar made of elementwise ops alone XLA
   # would fuse into every element of every compressed moment.
   return applied_steps + jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
+
+
+def kept(applied: jax.Array, new: Any, old: Any) -> Any:
+  """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
+  skipped step in the accelerator's program, ``verdict.run_if_finite``); an
+  8- or 4-bit moment's codes first (4-bit ones as
+  :func:`moment_codes_4bit.kept_codes` selects them), then its scales, read after
+  the codes are written: the scales' select writes over the donated old
+  scales, which the coding kernel reads to decode the old moment, and
+  without the order XLA:GPU copies the old scales first (docs/design.md,
+  "Compressed moments at the byte floor")."""
+
+  def leaf(n: Any, o: Any) -> Any:
+    if not isinstance(n, BLOCK_SCALED_TYPES):
+      return jnp.where(applied, n, o)
+    if isinstance(n, tuple(codes_4bit.STORED_TYPES.values())):
+      codes = codes_4bit.kept_codes(applied, n.codes, o.codes)
+    else:
+      codes = jnp.where(applied, n.codes, o.codes)
+    # Behind a barrier, so that XLA cannot compute the codes again for the
+    # zero (fused into the scales' select) instead of reading the coder's.
+    codes = jax.lax.optimization_barrier(codes)
+    scales = jnp.where(applied, n.scales, o.scales)
+    return type(n)(codes, jax.lax.add(scales, _zero_per_block(codes, scales)))
+
+  is_moment = lambda x: isinstance(x, BLOCK_SCALED_TYPES)  # noqa: E731
+  return jax.tree.map(leaf, new, old, is_leaf=is_moment)
+
+
+def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
+  """Returns zeros shaped like ``scales``, each read from its block's first code
+  byte: elementwise, so that it stays on the device that holds the block
+  wherever a mesh splits the moment (a scalar read from one element would
+  be reduced across devices). Zero itself (no order) for a layout whose
+  blocks do not tile the codes' last axis, or whose blocks an explicit mesh
+  splits (jax refuses to slice a sharded axis there)."""
+  *lead, width = codes.shape
+  blocks = scales.shape[-1] if scales.ndim else 0
+  if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
+    return jnp.zeros((), scales.dtype)
+  blocked = codes.reshape((*lead, blocks, width // blocks))
+  sharding = getattr(jax.typeof(blocked), "sharding", None)
+  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
+  if len(spec) == blocked.ndim and spec[-1] is not None:
+    return jnp.zeros((), scales.dtype)
+  return jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
 
 
 # The accelerator's two-pass coder of 8- and 4-bit moments (docs/design.md,
@@ -557,203 +758,3 @@ def decompressed_once(stored_inner: Any) -> Any:
     return kind.decompress(x)
 
   return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
-
-
-def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
-  """Returns zeros shaped like ``scales``, each read from its block's first code
-  byte: elementwise, so that it stays on the device that holds the block
-  wherever a mesh splits the moment (a scalar read from one element would
-  be reduced across devices). Zero itself (no order) for a layout whose
-  blocks do not tile the codes' last axis, or whose blocks an explicit mesh
-  splits (jax refuses to slice a sharded axis there)."""
-  *lead, width = codes.shape
-  blocks = scales.shape[-1] if scales.ndim else 0
-  if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
-    return jnp.zeros((), scales.dtype)
-  blocked = codes.reshape((*lead, blocks, width // blocks))
-  sharding = getattr(jax.typeof(blocked), "sharding", None)
-  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
-  if len(spec) == blocked.ndim and spec[-1] is not None:
-    return jnp.zeros((), scales.dtype)
-  return jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
-
-
-def _compressible(leaf: Any) -> bool:
-  """Tells whether ``leaf`` is float32 with at least :data:`MIN_SIZE` elements."""
-  return (
-    tree_lib.is_floating(leaf)
-    and tree_lib.leaf_dtype(leaf) == jnp.float32
-    and int(np.prod(np.shape(leaf))) >= MIN_SIZE
-  )
-
-
-def _owners(tree: Any, fields: Sequence[str]) -> list[tuple[str, str] | None]:
-  """Returns, per leaf of ``tree``, ``(state class name, field)`` of the
-  innermost NamedTuple field along its path that is one of ``fields``, or None."""
-  out: list[tuple[str, str] | None] = []
-
-  def walk(node: Any, owner: tuple[str, str] | None) -> None:
-    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
-    if len(children) == 1 and children[0][1] is node:  # a leaf
-      out.append(owner)
-      return
-    for path, child in children:
-      key, inner = path[0], owner
-      if isinstance(key, jax.tree_util.GetAttrKey) and key.name in fields:
-        inner = (type(node).__name__, key.name)
-      walk(child, inner)
-
-  walk(tree, None)
-  return out
-
-
-def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFormat:
-  """Returns the validated ``moments=`` and ``moment_fields=`` settings.
-
-  ``moments`` is one format for every field of ``moment_fields``, or a mapping
-  of field names to formats (its keys then are the fields; ``moment_fields``
-  may still name their signs). A mapping is any object ``dict()`` reads as
-  one (a ``Mapping``, or a config object with ``keys()`` such as
-  ``ml_collections.ConfigDict``)."""
-  moments, fields = as_dict(moments), as_dict(fields)
-  per_field = isinstance(moments, dict)
-  codes = list(moments.values()) if per_field else [moments]
-  if not codes or any(not isinstance(c, str) or c not in FORMATS for c in codes):
-    raise ValueError(
-      f"mixed_precision: moments must be one of {', '.join(map(repr, FORMATS))}, or a "
-      "mapping of field names to them (e.g. {'mu': '8bit', 'nu': '4bit'}), got "
-      f"{_described(moments)}."
-    )
-  compresses = any(c != "full" for c in codes)
-  if compresses and jnp.dtype(dtype) != jnp.float32:
-    raise ValueError(
-      f"mixed_precision: moments={moments!r} compresses a float32 inner state; dtype is "
-      f"{jnp.dtype(dtype)}. Use float32 masters, or moments='full'."
-    )
-  if per_field:
-    named = dict(_field_signs(fields)) if isinstance(fields, Mapping) else {}
-    rule = dict(_field_signs(tuple(n for n in moments if isinstance(n, str))))
-    per_field_signs = tuple(
-      (name, code, named.get(name, rule[name])) for name, code in moments.items()
-    )
-  else:
-    per_field_signs = tuple((name, moments, sign) for name, sign in _field_signs(fields))
-  block_scaled = any(c in ("8bit", "4bit") for c in codes)
-  return MomentsFormat(
-    repr(moments), per_field_signs, seed, isinstance(fields, Mapping), compresses, block_scaled
-  )
-
-
-def as_dict(setting: Any) -> Any:
-  """Returns ``setting`` as a dict if it is a mapping (a ``Mapping``, or an
-  object with ``keys()`` and item access, as ``dict()`` reads it), else as it is."""
-  if isinstance(setting, Mapping) or (
-    not isinstance(setting, str | bytes) and callable(getattr(setting, "keys", None))
-  ):
-    return dict(setting)
-  return setting
-
-
-def _described(value: Any) -> str:
-  """Returns ``repr(value)``, with its type named where that is not a builtin."""
-  module = type(value).__module__
-  if module == "builtins":
-    return repr(value)
-  return f"{value!r} (a {module}.{type(value).__qualname__})"
-
-
-def _field_signs(fields: Any) -> tuple[tuple[str, Sign], ...]:
-  """Returns ``moment_fields`` as ``(name, sign)`` pairs: a mapping names each
-  sign; in a sequence, :data:`NONNEGATIVE_FIELDS` are second moments."""
-  if isinstance(fields, Mapping):
-    pairs = tuple(fields.items())
-    bad = [(name, sign) for name, sign in pairs if not isinstance(name, str) or sign not in SIGNS]
-    if bad:
-      raise ValueError(
-        "mixed_precision: moment_fields maps each field name to 'signed' (a first "
-        "moment, e.g. {'mu': 'signed'}) or 'nonnegative' (a second moment, never "
-        f"decoded to zero, e.g. {{'nu': 'nonnegative'}}); got {bad}."
-      )
-    return pairs
-  if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
-    raise ValueError(
-      "mixed_precision: moment_fields must be a sequence of field names, e.g. "
-      "('mu', 'nu'), or a mapping of names to 'signed' or 'nonnegative', got "
-      f"{_described(fields)}."
-    )
-  return tuple((f, "nonnegative" if f in NONNEGATIVE_FIELDS else "signed") for f in fields)
-
-
-def is_compressed(x: Any) -> bool:
-  """Tells whether ``x`` is a stored compressed moment (one node for one leaf)."""
-  return isinstance(x, COMPRESSED_MOMENTS)
-
-
-# The kind that decompresses each stored type (a key matters only to compress).
-_KIND_OF_STORED: dict[type, MomentKind] = {
-  Bfloat16Moment: Bfloat16Compressed(0),
-  Signed8bitMoment: EightBitCompressed(0, "signed"),
-  Nonnegative8bitMoment: EightBitCompressed(0, "nonnegative"),
-  Signed4bitMoment: FourBitCompressed(0, "signed"),
-  Nonnegative4bitMoment: FourBitCompressed(0, "nonnegative"),
-}
-
-
-# The stored types of block-scaled moments (8 and 4 bits).
-BLOCK_SCALED_TYPES = (
-  Signed8bitMoment,
-  Nonnegative8bitMoment,
-  Signed4bitMoment,
-  Nonnegative4bitMoment,
-)
-
-
-def param_shape_of(stored: Any) -> tuple[int, ...]:
-  """Returns the shape of the param a compressed moment stands for, as its
-  parts tell it: its codes' or values' shape; a 4-bit moment's last axis
-  doubled (two codes a byte; an odd length's last element is in its scales)."""
-  shape = tuple(np.shape(stored[0]))
-  if isinstance(stored, Signed4bitMoment | Nonnegative4bitMoment) and shape:
-    shape = (*shape[:-1], 2 * shape[-1])
-  return shape
-
-
-def decompressed(stored_inner: Any) -> Any:
-  """Returns ``stored_inner`` with every compressed moment decompressed to float32."""
-
-  def leaf(x: Any) -> Any:
-    kind = _KIND_OF_STORED.get(type(x))
-    if kind is None:
-      return x
-    if hasattr(x[0], "replace_boxed"):  # parts in flax linen boxes: the value boxed like them
-      return x[0].replace_boxed(kind.decompress(type(x)(*(adapters.unboxed(p) for p in x))))
-    return kind.decompress(x)
-
-  return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
-
-
-def kept(applied: jax.Array, new: Any, old: Any) -> Any:
-  """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
-  skipped step in the accelerator's program, ``verdict.run_if_finite``); an
-  8- or 4-bit moment's codes first (4-bit ones as
-  :func:`moment_codes_4bit.kept_codes` selects them), then its scales, read after
-  the codes are written: the scales' select writes over the donated old
-  scales, which the coding kernel reads to decode the old moment, and
-  without the order XLA:GPU copies the old scales first (docs/design.md,
-  "Compressed moments at the byte floor")."""
-
-  def leaf(n: Any, o: Any) -> Any:
-    if not isinstance(n, BLOCK_SCALED_TYPES):
-      return jnp.where(applied, n, o)
-    if isinstance(n, tuple(codes_4bit.STORED_TYPES.values())):
-      codes = codes_4bit.kept_codes(applied, n.codes, o.codes)
-    else:
-      codes = jnp.where(applied, n.codes, o.codes)
-    # Behind a barrier, so that XLA cannot compute the codes again for the
-    # zero (fused into the scales' select) instead of reading the coder's.
-    codes = jax.lax.optimization_barrier(codes)
-    scales = jnp.where(applied, n.scales, o.scales)
-    return type(n)(codes, jax.lax.add(scales, _zero_per_block(codes, scales)))
-
-  is_moment = lambda x: isinstance(x, BLOCK_SCALED_TYPES)  # noqa: E731
-  return jax.tree.map(leaf, new, old, is_leaf=is_moment)
