@@ -168,12 +168,16 @@ class _Step:
         ),
         accelerator=lambda: moments_lib.first_pass(
           moments_format,
-          functools.partial(self._step_on_masters, decompress=moments_lib.decompressed_once),
+          functools.partial(
+            self._step_on_masters,
+            unscaling=unscaling,
+            applied_steps=state.applied_steps,
+            extra_args=extra_args,
+            decompress=moments_lib.decompressed_once,
+          ),
           stored,
           leaves,
           unscaling,
-          state.applied_steps,
-          extra_args,
         ),
       )
     else:

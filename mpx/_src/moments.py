@@ -571,23 +571,21 @@ def first_pass(
   stored: Any,
   leaves: Any,
   unscaling: verdict.Unscaling | None,
-  applied_steps: jax.Array,
-  extra_args: dict[str, Any],
 ) -> tuple[jax.Array, list[jax.Array | None], jax.Array]:
   """Returns the step's verdict, the new 8- and 4-bit moments' block maxima and
   whether a leaf's update stalled (``storage.any_stalled``): the accelerator's
   first pass, whose maxima the step codes the moments it computes again
   against (:func:`compressed`).
 
-  ``inner_step(stored, leaves, unscaling, applied_steps, extra_args)`` runs
-  the inner rule on the masters and commits each leaf
-  (``mixed_precision._Step._step_on_masters``, its old moments read by
-  :func:`decompressed_once`), returning ``(stored, handoffs)``, the inner
-  rule's new state as it made it. It runs here on its inputs behind ``lax.optimization_barrier``,
-  which XLA does not look through, so that it cannot merge this computation
-  of the new moments with the step's (CSE would: one new moment read by the
-  maxima, the update and the coder is what XLA:GPU writes out in float32);
-  only the maxima are kept, the rest is dead code. Each gradient read with
+  ``inner_step(stored, leaves)`` runs the inner rule on the masters and
+  commits each leaf (``mixed_precision._Step._step_on_masters``, its old
+  moments read by :func:`decompressed_once`), returning ``(stored,
+  handoffs)``, the inner rule's new state as it made it. It runs here on its
+  inputs behind ``lax.optimization_barrier``, which XLA does not look
+  through, so that it cannot merge this computation of the new moments with
+  the step's (CSE would: one new moment read by the maxima, the update and
+  the coder is what XLA:GPU writes out in float32); only the maxima are
+  kept, the rest is dead code. Each gradient read with
   moments (:func:`block_maxima`) is checked in their reduction, as the inner
   rule receives it (the verdict's rule, ``verdict.gradients_finite``); the
   others by ``gradients_finite``; the two agreed across the axis at once.
@@ -598,7 +596,7 @@ def first_pass(
   for i, x in zip(arrays, barred, strict=True):
     flat[i] = x
   stored_once, leaves_once = jax.tree.unflatten(treedef, flat)
-  new, handoffs = inner_step(stored_once, leaves_once, unscaling, applied_steps, extra_args)
+  new, handoffs = inner_step(stored_once, leaves_once)
   received = [
     verdict.received(g, d, unscaling)
     for g, d in zip(leaves_once.grads, leaves.received_dtypes, strict=True)
