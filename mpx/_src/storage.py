@@ -516,7 +516,12 @@ MODES = {
     "remainder", MixedPrecisionRemainderState, "master_remainders", Remainder(), False
   ),
   "24bit": Mode(
-    "24bit", MixedPrecision24bitState, "master_corrections", Master24bit(), False, True
+    "24bit",
+    MixedPrecision24bitState,
+    "master_corrections",
+    Master24bit(),
+    False,
+    counts_stalls=True,
   ),
   "stochastic": Mode(
     "stochastic", MixedPrecisionStochasticState, "rounding_keys", Stochastic(), False
