@@ -591,19 +591,21 @@ def test_the_first_pass_reads_each_gradient_with_its_moments_in_one_reduction():
   new = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), inner)
   new = new[0]._replace(nu=jax.tree.map(jnp.abs, new[0].nu)), *new[1:]
   grads = {"['w']": jnp.ones((8, 512)), "['v']": jnp.ones((2, 50257))}
-  scales, finite, read = fmt.first_pass(new, grads)
+  scales, finite, read = mpx_moments.block_maxima(fmt, new, grads)
   # "w" (blocks of 256 and 128 tile it) is reduced with its gradient; "v" (an
   # odd row, which neither code's blocks tile) alone.
   assert bool(finite) and read == {"['w']"}
   kinds = fmt.kinds(new)
   for kind, value, scale in zip(kinds, jax.tree.leaves(new), scales, strict=True):
-    if isinstance(kind, mpx_moments.BLOCK_SCALED):
+    if isinstance(kind, mpx_moments.BlockScaledKind):
       np.testing.assert_array_equal(np.asarray(scale), np.asarray(kind.maxima(value)))
     else:
       assert scale is None
   for bad in (jnp.nan, jnp.inf, -jnp.inf):
-    _, finite, _ = fmt.first_pass(new, {**grads, "['w']": grads["['w']"].at[7, 511].set(bad)})
+    bad_w = {**grads, "['w']": grads["['w']"].at[7, 511].set(bad)}
+    _, finite, _ = mpx_moments.block_maxima(fmt, new, bad_w)
     assert not bool(finite)
   # A gradient not read here leaves the verdict to verdict.gradients_finite.
-  _, finite, _ = fmt.first_pass(new, {**grads, "['v']": grads["['v']"].at[0, 0].set(jnp.nan)})
+  bad_v = {**grads, "['v']": grads["['v']"].at[0, 0].set(jnp.nan)}
+  _, finite, _ = mpx_moments.block_maxima(fmt, new, bad_v)
   assert bool(finite)

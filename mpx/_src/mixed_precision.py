@@ -1,12 +1,12 @@
-"""``mixed_precision``: master weights inside the optimizer state; ``update``
-is the four steps docs/design.md draws."""
+"""``mixed_precision``: master weights inside the optimizer state; its
+``update_fn`` is the four steps docs/design.md draws."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -90,24 +90,40 @@ def mixed_precision(
   seed = _check_seed(seed)
   moments_format = moments_lib.check_format(moments, moment_fields, seed, dtype)
   validation.check_transformation(inner)
-  inner = optax.with_extra_args_support(inner)
-  # On accelerators 8- and 4-bit moments are kept codes first (4-bit ones a
-  # nibble pair at a time), then scales.
-  keep_moments = moments_lib.kept if moments_format.block_scaled else None
+  step = _Step(optax.with_extra_args_support(inner), dtype, mode, moments_format, seed)
+  return verdict.TakesLossScaledGradients(
+    step.init_fn, adapters.through_linen_boxes(step.update_fn)
+  )
 
-  def init_fn(params: optax.Params) -> Any:
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """One ``mixed_precision`` setting: its ``init_fn`` and ``update_fn`` (the four
+  steps docs/design.md draws), and ``init_like``, the abstract state ``init_fn``
+  builds."""
+
+  inner: optax.GradientTransformationExtraArgs
+  dtype: Any
+  mode: storage.Mode
+  moments_format: moments_lib.MomentsFormat
+  seed: int
+
+  def init_fn(self, params: optax.Params) -> Any:
+    """Returns the state for ``params``: what each leaf's kind stores, the
+    counts, and the inner rule's state of the masters (its moments stored)."""
+    mode, moments_format = self.mode, self.moments_format
     adapters.refuse_fp8_metadata("mixed_precision", params)
-    _require_dtype_enabled(dtype)
+    _require_dtype_enabled(self.dtype)
     paths, flat, treedef = _flatten(params)
     compat.check_float8_supported({getattr(p, "dtype", None) for p in flat})
-    kinds = [mode.kind_for(param, dtype, path) for path, param in zip(paths, flat, strict=True)]
+    kinds = [mode.kind_for(p, self.dtype, path) for path, p in zip(paths, flat, strict=True)]
     sources = full_precision.full_precision_sources(flat, kinds)
     stored = [
-      storage.initialized(kind, param, sources, index, seed)
+      storage.initialized(kind, param, sources, index, self.seed)
       for index, (kind, param) in enumerate(zip(kinds, flat, strict=True))
     ]
     masters = [storage.viewed(kind, s, p) for kind, s, p in zip(kinds, stored, flat, strict=True)]
-    inner_state = tree_lib.strong_types(inner.init(treedef.unflatten(masters)))
+    inner_state = tree_lib.strong_types(self.inner.init(treedef.unflatten(masters)))
     _refuse_loss_scale_inside(inner_state)
     # optax's params placeholder (tree_map_params, zero1_shardings) stands for
     # the whole tree: the inner state it makes has no moment fields to find.
@@ -116,51 +132,68 @@ def mixed_precision(
     # Two arrays, not one: a step that donates the state donates each buffer once.
     applied_steps, nonfinite_steps = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     if moments_format.compresses:
-      inner_state = moments_format.compress(inner_state, applied_steps)
+      inner_state = moments_lib.compressed(moments_format, inner_state, applied_steps)
     state = mode.state(treedef.unflatten(stored), applied_steps, nonfinite_steps, inner_state)
     compressed_as = moments_format.name if moments_format.compresses else None
     return variables.fit_variables(state, compressed_as, linen_boxes=True)
 
   def update_fn(
+    self,
     updates: optax.Updates,
     state: Any,
     params: optax.Params | None,
     unscaling: verdict.Unscaling | None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, Any, jax.Array]:
+    """Returns ``(param updates, new state, applied)``: one step, or its skip."""
+    mode, moments_format = self.mode, self.moments_format
     # 1. Check the inputs against each other, and line them up leaf by leaf
     #    (at trace time; what init would build for these params is the reference).
-    validation.check_mixed_precision_inputs(updates, state, params, unscaling is None, init_like)
-    leaves = _Leaves.align(mode, dtype, updates, params, getattr(state, mode.stored_field))
+    validation.check_mixed_precision_inputs(
+      updates, state, params, unscaling is None, self.init_like
+    )
+    leaves = _Leaves.align(mode, self.dtype, updates, params, getattr(state, mode.stored_field))
     stored = _Stored(leaves.stored, state.inner_state)
     # 2. The verdict, on each gradient as the inner rule will receive it; with
-    #    8- or 4-bit moments, on accelerators, read with their block maxima.
+    #    8- or 4-bit moments, on accelerators, read with their block maxima in
+    #    the first of two passes (moments.first_pass), which also reads the
+    #    24-bit masters' stall check.
     scales = first_stalled = None
     if moments_format.block_scaled:
       finite, scales, first_stalled = lowering.by_platform(
         cpu=lambda: (
           verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling),
-          moments_format.stored_scales(state.inner_state),  # unread: shapes
+          moments_lib.stored_scales(state.inner_state),  # unread: shapes
           jnp.zeros((), bool),  # unread
         ),
-        accelerator=lambda: _first_pass(
-          inner, moments_format, stored, leaves, unscaling, state.applied_steps, extra_args
+        accelerator=lambda: moments_lib.first_pass(
+          moments_format,
+          functools.partial(
+            self._step_on_masters,
+            unscaling=unscaling,
+            applied_steps=state.applied_steps,
+            extra_args=extra_args,
+            decompress=moments_lib.decompressed_once,
+          ),
+          stored,
+          leaves,
+          unscaling,
         ),
       )
     else:
       finite = verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling)
     # 3. The step on the masters; on a skipped step nothing is written.
-    step = functools.partial(_step_on_masters, inner, moments_format)
+    step: Callable[..., tuple[_Stored, list[Any]]] = self._step_on_masters
+    args: tuple[Any, ...] = (unscaling, state.applied_steps, extra_args)
+    if moments_format.compresses:
+      step, args = self._step_with_compressed_moments, (*args, scales)
     new, handoffs, applied = verdict.run_if_finite(
       finite,
       step,
       stored,
       dataclasses.replace(leaves, stored=[]),  # the step gets them as its state
-      unscaling,
-      state.applied_steps,
-      extra_args,
-      scales,
-      select=keep_moments,
+      *args,
+      select=moments_lib.kept if moments_format.block_scaled else None,
     )
     # 4. After the skip: the param updates (they fuse into optax.apply_updates).
     param_updates = [
@@ -169,190 +202,107 @@ def mixed_precision(
         leaves.kinds, new.per_param, handoffs, leaves.params, strict=True
       )
     ]
+    applied_steps = state.applied_steps + applied.astype(jnp.int32)
+    nonfinite_steps = state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32)
+    stalled_steps = None
+    if mode.counts_stalls:
+      stalled_steps = mode.stalled_steps(state, handoffs, first_stalled, applied)
     new_state = mode.state(
       leaves.treedef.unflatten(new.per_param),
-      state.applied_steps + applied.astype(jnp.int32),
-      state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32),
+      applied_steps,
+      nonfinite_steps,
       new.inner,
-      # Only the 24-bit mode's state counts stalls.
-      _stalled_steps(state, handoffs, first_stalled, applied)
-      if hasattr(state, "stalled_steps")
-      else None,
+      stalled_steps,
     )
     return leaves.treedef.unflatten(param_updates), new_state, applied
 
-  def init_like(params: Any) -> Any:
+  def init_like(self, params: Any) -> Any:
     """Returns the abstract state ``init`` builds for params shaped like ``params``."""
     paths, flat, treedef = _flatten(params)
-    kinds = [mode.kind_for(p, dtype, path) for path, p in zip(paths, flat, strict=True)]
+    kinds = [self.mode.kind_for(p, self.dtype, path) for path, p in zip(paths, flat, strict=True)]
     masters_like = [
       p if k.master_dtype is None else jax.ShapeDtypeStruct(np.shape(p), k.master_dtype)
       for k, p in zip(kinds, flat, strict=True)
     ]
-    inner_like = jax.eval_shape(inner.init, treedef.unflatten(masters_like))
-    if moments_format.compresses:
-      inner_like = moments_format.stored_like(inner_like)
+    inner_like = jax.eval_shape(self.inner.init, treedef.unflatten(masters_like))
+    if self.moments_format.compresses:
+      inner_like = self.moments_format.stored_like(inner_like)
     stored_like = [k.stored_like(p) for k, p in zip(kinds, flat, strict=True)]
     counter = jax.ShapeDtypeStruct((), jnp.int32)
-    return mode.state(treedef.unflatten(stored_like), counter, counter, inner_like, counter)
+    return self.mode.state(treedef.unflatten(stored_like), counter, counter, inner_like, counter)
 
-  return verdict.TakesLossScaledGradients(init_fn, adapters.through_linen_boxes(update_fn))
+  def _step_on_masters(
+    self,
+    stored: _Stored,
+    leaves: _Leaves,
+    unscaling: verdict.Unscaling | None,
+    applied_steps: jax.Array,
+    extra_args: dict[str, Any],
+    decompress: Callable[[Any], Any] | None = None,
+  ) -> tuple[_Stored, list[Any]]:
+    """Runs the inner rule on the master view and commits each leaf.
 
-
-def _step_on_masters(
-  inner: optax.GradientTransformationExtraArgs,
-  moments_format: moments_lib.MomentsFormat,
-  stored: _Stored,
-  leaves: _Leaves,
-  unscaling: verdict.Unscaling | None,
-  applied_steps: jax.Array,
-  extra_args: dict[str, Any],
-  scales: list[jax.Array | None] | None,
-  first_pass: bool = False,
-) -> tuple[_Stored, list[Any]]:
-  """Runs the inner rule on the master view and commits each leaf.
-
-  Returns ``(new stored, handoffs)``: what the state stores next, and what
-  each leaf's ``param_update`` reads after the skip. ``scales``: what the
-  accelerator's program codes 8- and 4-bit moments against
-  (:func:`_first_pass`), or None. ``first_pass``: the inner state is
-  returned as the inner rule made it, for its block maxima alone.
-  """
-  received = [
-    verdict.received(g, d, unscaling)
-    for g, d in zip(leaves.grads, leaves.received_dtypes, strict=True)
-  ]
-  masters = [
-    k.view(s, p) for k, s, p in zip(leaves.kinds, stored.per_param, leaves.params, strict=True)
-  ]
-  inner_state = stored.inner
-  if first_pass:
-    inner_state = moments_format.decompressed_once(inner_state)
-  elif moments_format.compresses:
-    inner_state = moments_lib.decompressed(inner_state)
-  # optax.lbfgs's grad= is received as the gradients are.
-  received_extra = {
-    name: adapters.received_like_grads(
-      value, leaves.grad_treedef, leaves.grads, leaves.received_dtypes
+    Returns ``(new stored, handoffs)``: what the state stores next (the inner
+    state as the inner rule made it), and what each leaf's ``param_update``
+    reads after the skip. ``decompress`` reads the stored inner state for the
+    inner rule (None: it is stored as the rule made it).
+    """
+    received = [
+      verdict.received(g, d, unscaling)
+      for g, d in zip(leaves.grads, leaves.received_dtypes, strict=True)
+    ]
+    masters = [
+      k.view(s, p) for k, s, p in zip(leaves.kinds, stored.per_param, leaves.params, strict=True)
+    ]
+    inner_state = stored.inner if decompress is None else decompress(stored.inner)
+    # optax.lbfgs's grad= is received as the gradients are.
+    received_extra = {
+      name: adapters.received_like_grads(
+        value, leaves.grad_treedef, leaves.grads, leaves.received_dtypes
+      )
+      if name == adapters.EXTRA_GRADIENT_ARG
+      else value
+      for name, value in extra_args.items()
+    }
+    masters_tree = leaves.treedef.unflatten(masters)
+    inner_updates, new_inner = self.inner.update(
+      leaves.grad_treedef.unflatten(received), inner_state, masters_tree, **received_extra
     )
-    if name == adapters.EXTRA_GRADIENT_ARG
-    else value
-    for name, value in extra_args.items()
-  }
-  masters_tree = leaves.treedef.unflatten(masters)
-  inner_updates, new_inner = inner.update(
-    leaves.grad_treedef.unflatten(received), inner_state, masters_tree, **received_extra
-  )
-  validation.check_inner_results(
-    "mixed_precision", inner_updates, new_inner, inner_state, masters_tree
-  )
-  committed = [
-    kind.commit(master, update, s, param, applied_steps)
-    for kind, master, update, s, param in zip(
-      leaves.kinds,
-      masters,
-      leaves.treedef.flatten_up_to(inner_updates),
-      stored.per_param,
-      leaves.params,
-      strict=True,
+    validation.check_inner_results(
+      "mixed_precision", inner_updates, new_inner, inner_state, masters_tree
     )
-  ]
-  new_stored = [c.stored for c in committed]
-  handoffs = [c.handoff for c in committed]
-  if moments_format.compresses and not first_pass:
-    others = jax.tree.leaves([new_stored, handoffs])
-    new_inner = moments_format.compress(new_inner, applied_steps, others, scales)
-  return _Stored(new_stored, new_inner), handoffs
+    committed = [
+      kind.commit(master, update, s, param, applied_steps)
+      for kind, master, update, s, param in zip(
+        leaves.kinds,
+        masters,
+        leaves.treedef.flatten_up_to(inner_updates),
+        stored.per_param,
+        leaves.params,
+        strict=True,
+      )
+    ]
+    return _Stored([c.stored for c in committed], new_inner), [c.handoff for c in committed]
 
-
-def _stalled_steps(
-  state: Any, handoffs: list[Any], first_stalled: jax.Array | None, applied: jax.Array
-) -> jax.Array:
-  """Returns ``state``'s ``stalled_steps`` plus one if a 24-bit master's leaf
-  stalled on this applied step. ``first_stalled``: the same flag from the
-  accelerator's first pass (None without one), which the step's own (zero on
-  a skipped step) stands for on XLA:CPU."""
-  stalled = _any_stalled(handoffs)
-  if first_stalled is not None:
-    stalled = lowering.by_platform(
-      cpu=lambda: stalled, accelerator=lambda: jnp.logical_and(first_stalled, applied)
+  def _step_with_compressed_moments(
+    self,
+    stored: _Stored,
+    leaves: _Leaves,
+    unscaling: verdict.Unscaling | None,
+    applied_steps: jax.Array,
+    extra_args: dict[str, Any],
+    scales: list[jax.Array | None] | None,
+  ) -> tuple[_Stored, list[Any]]:
+    """Returns :meth:`_step_on_masters`'s results, the inner rule's moments
+    read from and stored back in the format's compressed form. ``scales``: what
+    the accelerator's program codes 8- and 4-bit moments against
+    (``moments.first_pass``), or None."""
+    new, handoffs = self._step_on_masters(
+      stored, leaves, unscaling, applied_steps, extra_args, moments_lib.decompressed
     )
-  return state.stalled_steps + stalled.astype(jnp.int32)
-
-
-def _any_stalled(handoffs: list[Any]) -> jax.Array:
-  flags = [h.stalled for h in handoffs if isinstance(h, storage.Landed24bit)]
-  return functools.reduce(jnp.logical_or, flags, jnp.zeros((), bool))
-
-
-def _first_pass(
-  inner: optax.GradientTransformationExtraArgs,
-  moments_format: moments_lib.MomentsFormat,
-  stored: _Stored,
-  leaves: _Leaves,
-  unscaling: verdict.Unscaling | None,
-  applied_steps: jax.Array,
-  extra_args: dict[str, Any],
-) -> tuple[jax.Array, list[jax.Array | None], jax.Array]:
-  """Returns the step's verdict, the new 8- and 4-bit moments' block maxima and
-  whether a 24-bit master's leaf stalled: the accelerator's first pass, whose maxima the step
-  (:func:`_step_on_masters`) codes the moments it computes again against.
-
-  The step runs here on its inputs behind ``lax.optimization_barrier``, which
-  XLA does not look through, so that it cannot merge this computation of the
-  new moments with the step's (CSE would: one new moment read by the maxima,
-  the update and the coder is what XLA:GPU writes out in float32); only the
-  maxima are kept, the rest is dead code. Each gradient read with moments
-  (``MomentsFormat.first_pass``) is checked in their reduction, as the inner
-  rule receives it (the verdict's rule, ``verdict.gradients_finite``); the
-  others by ``gradients_finite``; the two agreed across the axis at once.
-  docs/design.md, "Compressed moments at the byte floor".
-  """
-  flat, treedef = jax.tree.flatten((stored, leaves))
-  arrays = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
-  barred = jax.lax.optimization_barrier([flat[i] for i in arrays])
-  for i, x in zip(arrays, barred, strict=True):
-    flat[i] = x
-  stored_once, leaves_once = jax.tree.unflatten(treedef, flat)
-  new, handoffs = _step_on_masters(
-    inner,
-    moments_format,
-    stored_once,
-    leaves_once,
-    unscaling,
-    applied_steps,
-    extra_args,
-    None,
-    first_pass=True,
-  )
-  received = [
-    verdict.received(g, d, unscaling)
-    for g, d in zip(leaves_once.grads, leaves.received_dtypes, strict=True)
-  ]
-  paths = jax.tree_util.tree_flatten_with_path(
-    leaves.grad_treedef.unflatten(list(range(len(received))))
-  )[0]
-  by_path = {
-    jax.tree_util.keystr(path): received[index]
-    for path, index in paths
-    if tree_lib.is_floating(received[index])
-  }
-  scales, read_finite, read = moments_format.first_pass(new.inner, by_path)
-  others = [jax.tree_util.keystr(path) not in read for path, _ in paths]
-  axis_name = None if unscaling is None else unscaling.axis_name
-  alone = None if unscaling is None else dataclasses.replace(unscaling, axis_name=None)
-  rest_finite = verdict.gradients_finite(
-    [g for g, other in zip(leaves.grads, others, strict=True) if other],
-    [d for d, other in zip(leaves.received_dtypes, others, strict=True) if other],
-    alone,
-  )
-  # The 24-bit masters' stall check (a sample of each leaf's update) is read
-  # here too, and tied to the maxima that the step waits for: read after the
-  # step, it would read params the step overwrites in place (XLA copies them).
-  stalled = _any_stalled(handoffs)
-  if any(isinstance(h, storage.Landed24bit) for h in handoffs):
-    scales, stalled = jax.lax.optimization_barrier((scales, stalled))
-  return verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name), scales, stalled
+    others = jax.tree.leaves([new.per_param, handoffs])
+    inner = moments_lib.compressed(self.moments_format, new.inner, applied_steps, others, scales)
+    return _Stored(new.per_param, inner), handoffs
 
 
 class _Stored(NamedTuple):

@@ -1,20 +1,22 @@
 """Where the inner rule's moments live: as it made them, in bfloat16, 8 or 4 bits.
 
 A :class:`MomentKind` per leaf of the inner state stores it between steps;
-:class:`MomentsFormat` (one ``moments=`` setting) picks them (docs/moment_codes.md).
+:class:`MomentsFormat` (one ``moments=`` setting) picks them (docs/moment_codes.md);
+the accelerator codes 8- and 4-bit moments in two passes (:func:`first_pass`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import adapters, lowering, moment_codes, rounding
+from mpx._src import adapters, lowering, moment_codes, rounding, storage, verdict
 from mpx._src import moment_codes_4bit as codes_4bit
 from mpx._src import tree as tree_lib
 from mpx._src.moment_codes import SIGNS, Sign
@@ -65,36 +67,6 @@ class MomentKind(Protocol):
     ...
 
 
-class BlockScaledKind(MomentKind, Protocol):
-  """A moment kind coded against a float32 scale per block along the last
-  axis (8 and 4 bits), which the accelerator's step codes in two passes: the
-  new moment's block maxima first (:meth:`maxima`, or a joint reduction over
-  :meth:`magnitude`), then the codes against them (:meth:`compress_against`).
-  docs/design.md, "Compressed moments at the byte floor"."""
-
-  def block_size(self, shape: tuple[int, ...]) -> int | None:
-    """Returns the block size where the blocks tile the last axis exactly (then
-    each block's scale is the largest :meth:`magnitude` of its elements), else None."""
-    ...
-
-  def magnitude(self, value: jax.Array) -> jax.Array:
-    """Returns what a block's scale is the largest of, elementwise."""
-    ...
-
-  def maxima(self, value: jax.Array) -> jax.Array:
-    """Returns the scales :meth:`compress` would store for ``value``."""
-    ...
-
-  def decompress_once(self, stored: Any) -> jax.Array:
-    """Returns :meth:`decompress`'s values, bitwise, for a pass that writes no codes."""
-    ...
-
-  def compress_against(self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array) -> Any:
-    """Returns the stored form of ``value`` coded against ``scales`` (an element
-    above its block's scale takes the top level)."""
-    ...
-
-
 @dataclasses.dataclass(frozen=True)
 class Uncompressed:
   """Keeps a leaf of the inner state as the inner rule made it."""
@@ -137,14 +109,64 @@ class Bfloat16Compressed:
 
 
 @dataclasses.dataclass(frozen=True)
-class EightBitCompressed:
-  """Stores a float32 leaf in the 8-bit code of its ``sign`` (a
-  ``Signed8bitMoment`` or ``Nonnegative8bitMoment``), rounded stochastically
-  with the leaf's ``key``."""
+class BlockScaledKind:
+  """Stores a float32 leaf in a code of its ``sign`` against a float32 scale per
+  block along the last axis, rounded stochastically with the leaf's ``key``:
+  the 8- and 4-bit kinds, alike but for their codec module (``codes``) and
+  its layout. The accelerator's step codes them in two passes
+  (:func:`first_pass`): the new moment's block maxima first (:meth:`maxima`,
+  or a joint reduction over :meth:`magnitude`), then the codes against them
+  (:meth:`compress_against`). docs/design.md, "Compressed moments at the byte floor"."""
 
   key: int
   sign: Sign
   compressed = True
+  codes: ClassVar[Any]  # the codec module: moment_codes or moment_codes_4bit
+
+  def stored_like(self, leaf: Any) -> Any:
+    """Returns the abstract stored form of ``leaf`` (its codes' and scales' shapes)."""
+    raise NotImplementedError
+
+  def block_size(self, shape: tuple[int, ...]) -> int | None:
+    """Returns the block size where the blocks tile the last axis exactly (then
+    each block's scale is the largest :meth:`magnitude` of its elements), else None."""
+    raise NotImplementedError
+
+  def decompress(self, stored: Any) -> jax.Array:
+    return self.codes.decode(stored)
+
+  def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Any:
+    key = jnp.uint32(self.key) if key is None else key
+    return self.codes.encode(value, self.sign, key, applied_steps, stochastic=True)
+
+  def magnitude(self, value: jax.Array) -> jax.Array:
+    """Returns what a block's scale is the largest of, elementwise: ``|value|``
+    (signed) or ``max(value, 0)`` (nonnegative); 0 for an empty or
+    non-positive block."""
+    if self.sign == "signed":
+      return jax.lax.abs(value)
+    return jax.lax.max(value, jnp.zeros_like(value))
+
+  def maxima(self, value: jax.Array) -> jax.Array:
+    """Returns the scales :meth:`compress` would store for ``value``."""
+    return self.codes.maxima(value, self.sign)
+
+  def decompress_once(self, stored: Any) -> jax.Array:
+    """Returns :meth:`decompress`'s values, bitwise, for a pass that writes no codes."""
+    return self.codes.decode_by_table(stored)
+
+  def compress_against(self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array) -> Any:
+    """Returns the stored form of ``value`` coded against ``scales`` (an element
+    above its block's scale takes the top level)."""
+    key = jnp.uint32(self.key)
+    return self.codes.encode(value, self.sign, key, applied_steps, True, scales=scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class EightBitCompressed(BlockScaledKind):
+  """The 8-bit code (a ``Signed8bitMoment`` or ``Nonnegative8bitMoment``)."""
+
+  codes: ClassVar[Any] = moment_codes
 
   def stored_like(self, leaf: Any) -> Any:
     shape = tuple(np.shape(leaf))
@@ -153,110 +175,36 @@ class EightBitCompressed:
     scales: Any = jax.ShapeDtypeStruct((*shape[:-1], blocks) if shape else (1,), jnp.float32)
     return moment_codes.STORED_TYPES[self.sign](codes, scales)
 
-  def decompress(self, stored: moment_codes.EightBitMoment) -> jax.Array:
-    return moment_codes.decode(stored)
-
-  def compress(
-    self, value: jax.Array, applied_steps: jax.Array, key: Any = None
-  ) -> moment_codes.EightBitMoment:
-    key = jnp.uint32(self.key) if key is None else key
-    return moment_codes.encode(value, self.sign, key, applied_steps, stochastic=True)
-
   def block_size(self, shape: tuple[int, ...]) -> int | None:
     size, blocks = moment_codes.block_layout(shape)
     return size if shape and size * blocks == shape[-1] else None
 
-  def magnitude(self, value: jax.Array) -> jax.Array:
-    return _magnitude(value, self.sign)
-
-  def maxima(self, value: jax.Array) -> jax.Array:
-    return moment_codes.maxima(value, self.sign)
-
-  def decompress_once(self, stored: moment_codes.EightBitMoment) -> jax.Array:
-    return moment_codes.decode_by_table(stored)
-
-  def compress_against(
-    self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array
-  ) -> moment_codes.EightBitMoment:
-    key = jnp.uint32(self.key)
-    return moment_codes.encode(value, self.sign, key, applied_steps, True, scales=scales)
-
 
 @dataclasses.dataclass(frozen=True)
-class FourBitCompressed:
-  """Stores a float32 leaf in the 4-bit code of its ``sign`` (a
-  ``Signed4bitMoment`` or ``Nonnegative4bitMoment``), rounded stochastically
-  with the leaf's ``key``: to nearest, a slow average's steps (Lion's ``mu``
-  moves 1% a step) fall between levels and the moment stalls
-  (docs/moment_codes.md)."""
+class FourBitCompressed(BlockScaledKind):
+  """The 4-bit code (a ``Signed4bitMoment`` or ``Nonnegative4bitMoment``). To
+  nearest, a slow average's steps (Lion's ``mu`` moves 1% a step) would fall
+  between its levels and the moment stall (docs/moment_codes.md)."""
 
-  key: int
-  sign: Sign
-  compressed = True
+  codes: ClassVar[Any] = codes_4bit
 
   def stored_like(self, leaf: Any) -> Any:
     return codes_4bit.stored_shapes(tuple(np.shape(leaf)), self.sign)
-
-  def decompress(self, stored: codes_4bit.FourBitMoment) -> jax.Array:
-    return codes_4bit.decode(stored)
-
-  def compress(
-    self, value: jax.Array, applied_steps: jax.Array, key: Any = None
-  ) -> codes_4bit.FourBitMoment:
-    key = jnp.uint32(self.key) if key is None else key
-    return codes_4bit.encode(value, self.sign, key, applied_steps, stochastic=True)
 
   def block_size(self, shape: tuple[int, ...]) -> int | None:
     n = shape[-1] if shape else 0
     size, blocks = codes_4bit.block_layout(n - n % 2)
     return size if n % 2 == 0 and size * blocks == n else None
 
-  def magnitude(self, value: jax.Array) -> jax.Array:
-    return _magnitude(value, self.sign)
-
-  def maxima(self, value: jax.Array) -> jax.Array:
-    return codes_4bit.maxima(value, self.sign)
-
-  def decompress_once(self, stored: codes_4bit.FourBitMoment) -> jax.Array:
-    return codes_4bit.decode_by_table(stored)
-
-  def compress_against(
-    self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array
-  ) -> codes_4bit.FourBitMoment:
-    key = jnp.uint32(self.key)
-    return codes_4bit.encode(value, self.sign, key, applied_steps, True, scales=scales)
-
-
-def _magnitude(value: jax.Array, sign: Sign) -> jax.Array:
-  """Returns ``|value|`` (signed) or ``max(value, 0)`` (nonnegative): a block's
-  scale is the largest of these, and 0 for an empty or non-positive block."""
-  if sign == "signed":
-    return jax.lax.abs(value)
-  return jax.lax.max(value, jnp.zeros_like(value))
-
-
-BLOCK_SCALED = (EightBitCompressed, FourBitCompressed)
-
-
-def _coded(kind: Any, value: Any, applied_steps: jax.Array) -> Any:
-  """Returns ``kind.compress(value, applied_steps)``; eagerly (an init outside
-  ``jit``) in one jitted call (``tree.jitted_when_eager``), the leaf's key an
-  argument rather than a constant, so that one compile serves every leaf of a
-  shape."""
-  if not kind.compressed:
-    return kind.compress(value, applied_steps)
-  keyless, key = dataclasses.replace(kind, key=0), jnp.uint32(kind.key)
-  return tree_lib.jitted_when_eager(type(kind).compress, keyless, value, applied_steps, key)
-
 
 @dataclasses.dataclass(frozen=True)
 class MomentsFormat:
   """Records one ``moments=`` setting: as written, the fields it compresses
-  (each with its sign and format) and the seed of its random bits."""
+  (each with its format and sign) and the seed of its random bits; picks the
+  moment kind of each leaf of an inner state (:meth:`kinds`)."""
 
   name: str  # the setting as the user would write it: "'8bit'", "{'mu': '8bit'}"
-  fields: tuple[tuple[str, Sign], ...]
-  formats: tuple[tuple[str, str], ...]  # (field, format) for every field
+  fields: tuple[tuple[str, str, Sign], ...]  # (field, format, sign)
   seed: int
   # Whether the user named each field's sign (a mapping): then it overrides
   # the signs mpx knows of optax's states.
@@ -265,31 +213,39 @@ class MomentsFormat:
   # "full" the step stores the inner state as it is and never asks this module.
   compresses: bool = True
   # Whether any field is coded in 8 or 4 bits against block scales: then the
-  # accelerator's step codes in two passes (mixed_precision._first_pass).
+  # accelerator's step codes in two passes (first_pass).
   block_scaled: bool = False
 
   @property
   def field_names(self) -> tuple[str, ...]:
-    return tuple(name for name, _ in self.fields)
+    return tuple(name for name, _, _ in self.fields)
 
   def kinds(self, inner_state: Any) -> list[MomentKind]:
     """Returns the moment kind of each leaf of ``inner_state`` (a state as the
     inner rule makes it, or its abstract shapes), in flattening order."""
-    if not self.compresses:
-      return [UNCOMPRESSED] * len(jax.tree.leaves(inner_state))
-    owners = _owners(inner_state, self.field_names)
     leaves = jax.tree.leaves(inner_state)
+    if not self.compresses:
+      return [UNCOMPRESSED] * len(leaves)
+    owners = _owners(inner_state, self.field_names)
+    per_field = {field: (code, sign) for field, code, sign in self.fields}
     return [
-      self._kind_of(index, owner, leaf)
+      self._kind_of(index, owner, leaf, per_field)
       for index, (owner, leaf) in enumerate(zip(owners, leaves, strict=True))
     ]
 
-  def _kind_of(self, index: int, owner: tuple[str, str] | None, leaf: Any) -> MomentKind:
-    """Returns the moment kind of the ``index``-th leaf, under field ``owner``."""
+  def _kind_of(
+    self,
+    index: int,
+    owner: tuple[str, str] | None,
+    leaf: Any,
+    per_field: dict[str, tuple[str, Sign]],
+  ) -> MomentKind:
+    """Returns the moment kind of the ``index``-th leaf, under field ``owner``
+    (``per_field``: each field's format and sign)."""
     if owner is None or not _compressible(leaf):
       return UNCOMPRESSED
     state_name, field = owner
-    code = dict(self.formats)[field]
+    code, sign = per_field[field]
     if code == "full":
       return UNCOMPRESSED
     adapters.refuse_compressed(state_name, field, code)
@@ -299,7 +255,6 @@ class MomentsFormat:
     shortest = MIN_ROW_8BIT if code == "8bit" else codes_4bit.MIN_ROW
     if code == "bfloat16" or not shape or shape[-1] < shortest:
       return Bfloat16Compressed(key)
-    sign = dict(self.fields)[field]
     if not self.signs_named:
       sign = adapters.KNOWN_SIGNS.get((state_name, field), sign)
     if code == "8bit":
@@ -311,138 +266,6 @@ class MomentsFormat:
     flat, treedef = jax.tree.flatten(inner_like)
     kinds = self.kinds(inner_like)
     return jax.tree.unflatten(treedef, [k.stored_like(x) for k, x in zip(kinds, flat, strict=True)])
-
-  def compress(
-    self,
-    new_inner: Any,
-    applied_steps: jax.Array,
-    others: list[Any] | None = None,
-    scales: list[jax.Array | None] | None = None,
-  ) -> Any:
-    """Returns the stored form of the inner rule's new state; ``others`` are the
-    step's other outputs, which every in-place write of a moment follows on
-    XLA:CPU (:func:`_after`; None: at init, nothing to follow).
-
-    ``scales`` (per leaf, as :meth:`first_pass` returns them) are what the
-    accelerator's program codes each 8- or 4-bit moment against; XLA:CPU's
-    program ignores them and codes in one pass, as it does without them.
-    """
-    if scales is None:
-      return self._compress(new_inner, applied_steps, others)
-    return lowering.by_platform(
-      cpu=lambda: self._compress(new_inner, applied_steps, others),
-      accelerator=lambda: self._compress_against(new_inner, applied_steps, scales),
-    )
-
-  def _compress_against(
-    self, new_inner: Any, applied_steps: jax.Array, scales: list[jax.Array | None]
-  ) -> Any:
-    """Returns the stored form of ``new_inner``, each block-scaled moment coded
-    against its given ``scales``, the other leaves as :meth:`_compress` stores them."""
-    flat, treedef = jax.tree.flatten(new_inner)
-    kinds = self.kinds(new_inner)
-    stored = [
-      k.compress_against(v, applied_steps, s)
-      if isinstance(k, BLOCK_SCALED) and s is not None
-      else k.compress(v, applied_steps)
-      for k, v, s in zip(kinds, flat, scales, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, stored)
-
-  def _compress(self, new_inner: Any, applied_steps: jax.Array, others: list[Any] | None) -> Any:
-    """Returns the stored form of ``new_inner``, coded in one pass."""
-    flat, treedef = jax.tree.flatten(new_inner)
-    kinds = self.kinds(new_inner)
-    uncompressed = [v for v, kind in zip(flat, kinds, strict=True) if not kind.compressed]
-    step = applied_steps
-    if others is not None and len(uncompressed) < len(flat):
-      step = lowering.by_platform(
-        applied_steps,
-        others + uncompressed,
-        cpu=lambda steps, others: steps + _after(others),
-        accelerator=lambda steps, _: steps,
-        # An element of a sharded output would be all-gathered.
-        cpu_needs_one_device=True,
-      )
-    stored = [_coded(k, v, step) for k, v in zip(kinds, flat, strict=True)]
-    return jax.tree.unflatten(treedef, stored)
-
-  def stored_scales(self, stored_inner: Any) -> list[jax.Array | None]:
-    """Returns, per leaf of the inner state (a compressed moment one leaf), the
-    scales a block-scaled moment stores, else None: what :meth:`first_pass`
-    returns, in shapes and dtypes."""
-    leaves = jax.tree.leaves(stored_inner, is_leaf=is_compressed)
-    return [x.scales if isinstance(x, BLOCK_SCALED_TYPES) else None for x in leaves]
-
-  def decompressed_once(self, stored_inner: Any) -> Any:
-    """Returns ``stored_inner`` decompressed (bitwise as :func:`decompressed`)
-    for a pass that writes no codes: 8-bit codes by a table lookup."""
-
-    def leaf(x: Any) -> Any:
-      kind = _KIND_OF_STORED.get(type(x))
-      if kind is None:
-        return x
-      if isinstance(kind, BLOCK_SCALED):
-        return kind.decompress_once(x)
-      return kind.decompress(x)
-
-    return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
-
-  def first_pass(
-    self, new_inner: Any, grads: Mapping[str, jax.Array]
-  ) -> tuple[list[jax.Array | None], jax.Array, set[str]]:
-    """Returns the block maxima of each block-scaled leaf of ``new_inner`` (None
-    for the others), whether the gradients read with them are finite, and
-    which of ``grads`` were read.
-
-    ``grads`` are the gradients as the inner rule received them, by the path
-    of their leaf (``jax.tree_util.keystr``). A moment whose path below its
-    field is a gradient's, of its shape, is reduced with that gradient's
-    other moments and its finiteness in one variadic reduction, at the
-    smallest block size among them (a larger block's maxima are those of its
-    smaller blocks): one kernel reads the old codes and the gradient once,
-    where a reduction per moment would read the gradient once more each and
-    leave XLA:GPU's cost model to decide whether to write the new moment out
-    (docs/design.md). A moment whose blocks do not tile its last axis is
-    reduced alone (:meth:`BlockScaledKind.maxima`).
-    """
-    flat = jax.tree_util.tree_flatten_with_path(new_inner)[0]
-    values = [value for _, value in flat]
-    below = _paths_below(flat, self.field_names)
-    scales: list[jax.Array | None] = [None] * len(flat)
-    groups: dict[str, list[tuple[int, BlockScaledKind, int]]] = {}
-    kinds = self.kinds(new_inner)
-    for index, (kind, value, path) in enumerate(zip(kinds, values, below, strict=True)):
-      if not isinstance(kind, BLOCK_SCALED):
-        continue
-      size = kind.block_size(value.shape)
-      grad = None if path is None else grads.get(path)
-      if path is None or grad is None or np.shape(grad) != value.shape or size is None:
-        scales[index] = kind.maxima(value)
-      else:
-        groups.setdefault(path, []).append((index, kind, size))
-    finite = []
-    for path, members in groups.items():
-      small = min(size for _, _, size in members)
-      joint = [(i, kind, size) for i, kind, size in members if size % small == 0]
-      for i, kind, size in members:
-        if size % small:
-          scales[i] = kind.maxima(values[i])
-      grad = jnp.asarray(grads[path], jnp.float32)
-      # 1 where the gradient is not finite: a max of these is 0 exactly when
-      # every element is finite, whatever the max does with a NaN. A byte, not
-      # a float32: the reduction writes one a block, scratch until the verdict.
-      flag = jnp.logical_not(jnp.isfinite(grad)).astype(jnp.uint8)
-      magnitudes = [kind.magnitude(values[i]) for i, kind, _ in joint]
-      *maxima, flags = _joint_block_max([*magnitudes, flag], small)
-      for (i, _, size), block_max in zip(joint, maxima, strict=True):
-        scales[i] = _coarser(block_max, size // small)
-      finite.append(jax.lax.eq(jnp.max(flags), np.uint8(0)))
-    all_finite = jnp.asarray(True)
-    if finite:
-      # Behind a barrier, as verdict._all stacks per-leaf flags: one kernel tests them.
-      all_finite = jax.lax.optimization_barrier(jnp.stack(finite)).all()
-    return scales, all_finite, set(groups)
 
   def check_fields_exist(self, inner_state: Any) -> None:
     """Refuses a field named by the user that no state of the inner rule has."""
@@ -461,80 +284,6 @@ class MomentsFormat:
         f"state, whose fields are {fields}. Name fields of its state (e.g. Adan's "
         "'m', 'v', 'n'), or leave moment_fields at its default ('mu', 'nu', 'trace')."
       )
-
-
-def _joint_block_max(operands: list[jax.Array], size: int) -> list[jax.Array]:
-  """Returns each operand's largest element (at least 0) per block of ``size``
-  along its last axis, which the blocks tile: one variadic reduction, so
-  that XLA emits one kernel reading each operand's producers (a moment's old
-  codes and its gradient) once."""
-  shape = operands[0].shape
-  blocked = [x.reshape((*shape[:-1], shape[-1] // size, size)) for x in operands]
-
-  def reducer(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
-
-  zeros = tuple(np.zeros((), x.dtype) for x in blocked)
-  return list(jax.lax.reduce(tuple(blocked), zeros, reducer, (len(shape),)))
-
-
-def _coarser(block_max: jax.Array, factor: int) -> jax.Array:
-  """Returns the maxima of blocks ``factor`` times as long, from those of the
-  shorter blocks they are made of (a small reduction over the maxima)."""
-  if factor == 1:
-    return block_max
-  *lead, blocks = block_max.shape
-  grouped = block_max.reshape((*lead, blocks // factor, factor))
-  return jax.lax.reduce(grouped, np.float32(0), jax.lax.max, (len(lead) + 1,))
-
-
-def _paths_below(flat: list[tuple[Any, Any]], fields: Sequence[str]) -> list[str | None]:
-  """Returns, per ``(path, leaf)`` of a flattened inner state, the path below
-  the innermost of ``fields`` on it (``jax.tree_util.keystr``; a moment's
-  path below ``mu`` is its param's), or None."""
-  out: list[str | None] = []
-  for path, _ in flat:
-    at = [i for i, key in enumerate(path) if getattr(key, "name", None) in fields]
-    out.append(jax.tree_util.keystr(tuple(path[at[-1] + 1 :])) if at else None)
-  return out
-
-
-def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
-  """Returns zeros shaped like ``scales``, each read from its block's first code
-  byte: elementwise, so that it stays on the device that holds the block
-  wherever a mesh splits the moment (a scalar read from one element would
-  be reduced across devices). Zero itself (no order) for a layout whose
-  blocks do not tile the codes' last axis, or whose blocks an explicit mesh
-  splits (jax refuses to slice a sharded axis there)."""
-  *lead, width = codes.shape
-  blocks = scales.shape[-1] if scales.ndim else 0
-  if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
-    return jnp.zeros((), scales.dtype)
-  blocked = codes.reshape((*lead, blocks, width // blocks))
-  sharding = getattr(jax.typeof(blocked), "sharding", None)
-  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
-  if len(spec) == blocked.ndim and spec[-1] is not None:
-    return jnp.zeros((), scales.dtype)
-  return jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
-
-
-def _after(others: list[Any]) -> jax.Array:
-  """Returns zero, read from one element of each of the step's other outputs.
-
-  Added to the moments' step, it orders each compressed moment's in-place
-  write after the kernels that read the old moment, which XLA:CPU would
-  otherwise meet with a copy (docs/design.md, the workaround table).
-  """
-  firsts = [
-    jnp.ravel(x)[:1].astype(jnp.float32)
-    for x in others
-    if not tree_lib.is_placeholder(x) and np.size(x) >= MIN_SIZE
-  ]
-  if not firsts:
-    return jnp.zeros((), jnp.int32)
-  # A reduction, computed once: a scalar made of elementwise ops alone XLA
-  # would fuse into every element of every compressed moment.
-  return jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
 
 
 def _compressible(leaf: Any) -> bool:
@@ -592,14 +341,14 @@ def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFor
   if per_field:
     named = dict(_field_signs(fields)) if isinstance(fields, Mapping) else {}
     rule = dict(_field_signs(tuple(n for n in moments if isinstance(n, str))))
-    signs = tuple((name, named.get(name, rule[name])) for name in moments)
-    formats = tuple(moments.items())
+    per_field_signs = tuple(
+      (name, code, named.get(name, rule[name])) for name, code in moments.items()
+    )
   else:
-    signs = _field_signs(fields)
-    formats = tuple((field, moments) for field, _ in signs)
+    per_field_signs = tuple((name, moments, sign) for name, sign in _field_signs(fields))
   block_scaled = any(c in ("8bit", "4bit") for c in codes)
   return MomentsFormat(
-    repr(moments), signs, formats, seed, isinstance(fields, Mapping), compresses, block_scaled
+    repr(moments), per_field_signs, seed, isinstance(fields, Mapping), compresses, block_scaled
   )
 
 
@@ -691,6 +440,81 @@ def decompressed(stored_inner: Any) -> Any:
   return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
 
 
+def compressed(
+  moments_format: MomentsFormat,
+  new_inner: Any,
+  applied_steps: jax.Array,
+  others: list[Any] | None = None,
+  scales: list[jax.Array | None] | None = None,
+) -> Any:
+  """Returns the stored form of the inner rule's new state; ``others`` are the
+  step's other outputs, which every in-place write of a moment follows on
+  XLA:CPU (:func:`_written_after`; None: at init, nothing to follow).
+
+  ``scales`` (per leaf, as :func:`first_pass` returns them) are what the
+  accelerator's program codes each 8- or 4-bit moment against
+  (:func:`_coded_against`); XLA:CPU's program ignores them and codes in one
+  pass, as it does without them.
+  """
+  one_pass = functools.partial(_coded, moments_format, new_inner, applied_steps, others)
+  if scales is None:
+    return one_pass()
+  return lowering.by_platform(
+    cpu=one_pass,
+    accelerator=functools.partial(_coded_against, moments_format, new_inner, applied_steps, scales),
+  )
+
+
+def _coded(
+  moments_format: MomentsFormat, new_inner: Any, applied_steps: jax.Array, others: list[Any] | None
+) -> Any:
+  """Returns the stored form of ``new_inner``, coded in one pass; eagerly (an
+  init outside ``jit``) each leaf in one jitted call (``tree.jitted_when_eager``),
+  the leaf's key an argument rather than a constant, so that one compile
+  serves every leaf of a shape."""
+  flat, treedef = jax.tree.flatten(new_inner)
+  kinds: list[Any] = moments_format.kinds(new_inner)
+  uncompressed = [v for v, kind in zip(flat, kinds, strict=True) if not kind.compressed]
+  step = applied_steps
+  if others is not None and len(uncompressed) < len(flat):
+    step = lowering.by_platform(
+      applied_steps,
+      others + uncompressed,
+      cpu=_written_after,
+      accelerator=lambda steps, _: steps,
+      # An element of a sharded output would be all-gathered.
+      cpu_needs_one_device=True,
+    )
+  stored = []
+  for kind, value in zip(kinds, flat, strict=True):
+    if not kind.compressed:
+      stored.append(kind.compress(value, step))
+      continue
+    keyless, key = dataclasses.replace(kind, key=0), jnp.uint32(kind.key)
+    stored.append(tree_lib.jitted_when_eager(type(kind).compress, keyless, value, step, key))
+  return jax.tree.unflatten(treedef, stored)
+
+
+def _written_after(applied_steps: jax.Array, others: list[Any]) -> jax.Array:
+  """Returns ``applied_steps`` plus zero, read from one element of each of the
+  step's other outputs.
+
+  The moments' step, it orders each compressed moment's in-place write after
+  the kernels that read the old moment, which XLA:CPU would otherwise meet
+  with a copy (docs/design.md, the workaround table).
+  """
+  firsts = [
+    jnp.ravel(x)[:1].astype(jnp.float32)
+    for x in others
+    if not tree_lib.is_placeholder(x) and np.size(x) >= MIN_SIZE
+  ]
+  if not firsts:
+    return applied_steps + jnp.zeros((), jnp.int32)
+  # A reduction, computed once: a scalar made of elementwise ops alone XLA
+  # would fuse into every element of every compressed moment.
+  return applied_steps + jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
+
+
 def kept(applied: jax.Array, new: Any, old: Any) -> Any:
   """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
   skipped step in the accelerator's program, ``verdict.run_if_finite``); an
@@ -716,3 +540,219 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
 
   is_moment = lambda x: isinstance(x, BLOCK_SCALED_TYPES)  # noqa: E731
   return jax.tree.map(leaf, new, old, is_leaf=is_moment)
+
+
+def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
+  """Returns zeros shaped like ``scales``, each read from its block's first code
+  byte: elementwise, so that it stays on the device that holds the block
+  wherever a mesh splits the moment (a scalar read from one element would
+  be reduced across devices). Zero itself (no order) for a layout whose
+  blocks do not tile the codes' last axis, or whose blocks an explicit mesh
+  splits (jax refuses to slice a sharded axis there)."""
+  *lead, width = codes.shape
+  blocks = scales.shape[-1] if scales.ndim else 0
+  if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
+    return jnp.zeros((), scales.dtype)
+  blocked = codes.reshape((*lead, blocks, width // blocks))
+  sharding = getattr(jax.typeof(blocked), "sharding", None)
+  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
+  if len(spec) == blocked.ndim and spec[-1] is not None:
+    return jnp.zeros((), scales.dtype)
+  return jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
+
+
+# The accelerator's two-pass coder of 8- and 4-bit moments (docs/design.md,
+# "Compressed moments at the byte floor"): first_pass, then _coded_against.
+
+
+def first_pass(
+  moments_format: MomentsFormat,
+  inner_step: Callable[..., tuple[Any, list[Any]]],
+  stored: Any,
+  leaves: Any,
+  unscaling: verdict.Unscaling | None,
+) -> tuple[jax.Array, list[jax.Array | None], jax.Array]:
+  """Returns the step's verdict, the new 8- and 4-bit moments' block maxima and
+  whether a leaf's update stalled (``storage.any_stalled``): the accelerator's
+  first pass, whose maxima the step codes the moments it computes again
+  against (:func:`compressed`).
+
+  ``inner_step(stored, leaves)`` runs the inner rule on the masters and
+  commits each leaf (``mixed_precision._Step._step_on_masters``, its old
+  moments read by :func:`decompressed_once`), returning ``(stored,
+  handoffs)``, the inner rule's new state as it made it. It runs here on its
+  inputs behind ``lax.optimization_barrier``, which XLA does not look
+  through, so that it cannot merge this computation of the new moments with
+  the step's (CSE would: one new moment read by the maxima, the update and
+  the coder is what XLA:GPU writes out in float32); only the maxima are
+  kept, the rest is dead code. Each gradient read with
+  moments (:func:`block_maxima`) is checked in their reduction, as the inner
+  rule receives it (the verdict's rule, ``verdict.gradients_finite``); the
+  others by ``gradients_finite``; the two agreed across the axis at once.
+  """
+  flat, treedef = jax.tree.flatten((stored, leaves))
+  arrays = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
+  barred = jax.lax.optimization_barrier([flat[i] for i in arrays])
+  for i, x in zip(arrays, barred, strict=True):
+    flat[i] = x
+  stored_once, leaves_once = jax.tree.unflatten(treedef, flat)
+  new, handoffs = inner_step(stored_once, leaves_once)
+  received = [
+    verdict.received(g, d, unscaling)
+    for g, d in zip(leaves_once.grads, leaves.received_dtypes, strict=True)
+  ]
+  paths = jax.tree_util.tree_flatten_with_path(
+    leaves.grad_treedef.unflatten(list(range(len(received))))
+  )[0]
+  by_path = {
+    jax.tree_util.keystr(path): received[index]
+    for path, index in paths
+    if tree_lib.is_floating(received[index])
+  }
+  scales, read_finite, read = block_maxima(moments_format, new.inner, by_path)
+  others = [jax.tree_util.keystr(path) not in read for path, _ in paths]
+  axis_name = None if unscaling is None else unscaling.axis_name
+  alone = None if unscaling is None else dataclasses.replace(unscaling, axis_name=None)
+  rest_finite = verdict.gradients_finite(
+    [g for g, other in zip(leaves.grads, others, strict=True) if other],
+    [d for d, other in zip(leaves.received_dtypes, others, strict=True) if other],
+    alone,
+  )
+  # The 24-bit masters' stall check (a sample of each leaf's update) is read
+  # here too, and tied to the maxima that the step waits for: read after the
+  # step, it would read params the step overwrites in place (XLA copies them).
+  stalled = storage.any_stalled(handoffs)
+  if stalled is None:
+    stalled = jnp.zeros((), bool)
+  else:
+    scales, stalled = jax.lax.optimization_barrier((scales, stalled))
+  return verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name), scales, stalled
+
+
+def block_maxima(
+  moments_format: MomentsFormat, new_inner: Any, grads: Mapping[str, jax.Array]
+) -> tuple[list[jax.Array | None], jax.Array, set[str]]:
+  """Returns the block maxima of each block-scaled leaf of ``new_inner`` (None
+  for the others), whether the gradients read with them are finite, and
+  which of ``grads`` were read.
+
+  ``grads`` are the gradients as the inner rule received them, by the path
+  of their leaf (``jax.tree_util.keystr``). A moment whose path below its
+  field is a gradient's, of its shape, is reduced with that gradient's
+  other moments and its finiteness in one variadic reduction, at the
+  smallest block size among them (a larger block's maxima are those of its
+  smaller blocks): one kernel reads the old codes and the gradient once,
+  where a reduction per moment would read the gradient once more each and
+  leave XLA:GPU's cost model to decide whether to write the new moment out
+  (docs/design.md). A moment whose blocks do not tile its last axis is
+  reduced alone (:meth:`BlockScaledKind.maxima`).
+  """
+  flat = jax.tree_util.tree_flatten_with_path(new_inner)[0]
+  values = [value for _, value in flat]
+  fields = moments_format.field_names
+  scales: list[jax.Array | None] = [None] * len(flat)
+  groups: dict[str, list[tuple[int, BlockScaledKind, int]]] = {}
+  kinds = moments_format.kinds(new_inner)
+  for index, (kind, (keys, value)) in enumerate(zip(kinds, flat, strict=True)):
+    if not isinstance(kind, BlockScaledKind):
+      continue
+    # The path below the innermost of the fields on it: a moment's path below
+    # ``mu`` is its param's.
+    at = [i for i, key in enumerate(keys) if getattr(key, "name", None) in fields]
+    below = jax.tree_util.keystr(tuple(keys[at[-1] + 1 :])) if at else None
+    size = kind.block_size(value.shape)
+    grad = None if below is None else grads.get(below)
+    if below is None or grad is None or np.shape(grad) != value.shape or size is None:
+      scales[index] = kind.maxima(value)
+    else:
+      groups.setdefault(below, []).append((index, kind, size))
+  finite = []
+  for path, members in groups.items():
+    small = min(size for _, _, size in members)
+    joint = [(i, kind, size) for i, kind, size in members if size % small == 0]
+    for i, kind, size in members:
+      if size % small:
+        scales[i] = kind.maxima(values[i])
+    grad = jnp.asarray(grads[path], jnp.float32)
+    # 1 where the gradient is not finite: a max of these is 0 exactly when
+    # every element is finite, whatever the max does with a NaN. A byte, not
+    # a float32: the reduction writes one a block, scratch until the verdict.
+    flag = jnp.logical_not(jnp.isfinite(grad)).astype(jnp.uint8)
+    magnitudes = [kind.magnitude(values[i]) for i, kind, _ in joint]
+    *maxima, flags = _joint_block_max([*magnitudes, flag], small)
+    for (i, _, size), block_max in zip(joint, maxima, strict=True):
+      scales[i] = _coarser(block_max, size // small)
+    finite.append(jax.lax.eq(jnp.max(flags), np.uint8(0)))
+  all_finite = jnp.asarray(True)
+  if finite:
+    # Behind a barrier, as verdict._all stacks per-leaf flags: one kernel tests them.
+    all_finite = jax.lax.optimization_barrier(jnp.stack(finite)).all()
+  return scales, all_finite, set(groups)
+
+
+def _joint_block_max(operands: list[jax.Array], size: int) -> list[jax.Array]:
+  """Returns each operand's largest element (at least 0) per block of ``size``
+  along its last axis, which the blocks tile: one variadic reduction, so
+  that XLA emits one kernel reading each operand's producers (a moment's old
+  codes and its gradient) once."""
+  shape = operands[0].shape
+  blocked = [x.reshape((*shape[:-1], shape[-1] // size, size)) for x in operands]
+
+  def reducer(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
+
+  zeros = tuple(np.zeros((), x.dtype) for x in blocked)
+  return list(jax.lax.reduce(tuple(blocked), zeros, reducer, (len(shape),)))
+
+
+def _coarser(block_max: jax.Array, factor: int) -> jax.Array:
+  """Returns the maxima of blocks ``factor`` times as long, from those of the
+  shorter blocks they are made of (a small reduction over the maxima)."""
+  if factor == 1:
+    return block_max
+  *lead, blocks = block_max.shape
+  grouped = block_max.reshape((*lead, blocks // factor, factor))
+  return jax.lax.reduce(grouped, np.float32(0), jax.lax.max, (len(lead) + 1,))
+
+
+def _coded_against(
+  moments_format: MomentsFormat,
+  new_inner: Any,
+  applied_steps: jax.Array,
+  scales: list[jax.Array | None],
+) -> Any:
+  """Returns the stored form of ``new_inner``, each block-scaled moment coded
+  against its given ``scales`` (:func:`first_pass`'s), the other leaves as
+  :func:`_coded` stores them."""
+  flat, treedef = jax.tree.flatten(new_inner)
+  kinds = moments_format.kinds(new_inner)
+  stored = [
+    k.compress_against(v, applied_steps, s)
+    if isinstance(k, BlockScaledKind) and s is not None
+    else k.compress(v, applied_steps)
+    for k, v, s in zip(kinds, flat, scales, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, stored)
+
+
+def stored_scales(stored_inner: Any) -> list[jax.Array | None]:
+  """Returns, per leaf of the inner state (a compressed moment one leaf), the
+  scales a block-scaled moment stores, else None: what :func:`first_pass`
+  returns, in shapes and dtypes."""
+  leaves = jax.tree.leaves(stored_inner, is_leaf=is_compressed)
+  return [x.scales if isinstance(x, BLOCK_SCALED_TYPES) else None for x in leaves]
+
+
+def decompressed_once(stored_inner: Any) -> Any:
+  """Returns ``stored_inner`` decompressed (bitwise as :func:`decompressed`)
+  for a pass that writes no codes: 8- and 4-bit codes by a table lookup."""
+
+  def leaf(x: Any) -> Any:
+    kind = _KIND_OF_STORED.get(type(x))
+    if kind is None:
+      return x
+    if isinstance(kind, BlockScaledKind):
+      return kind.decompress_once(x)
+    return kind.decompress(x)
+
+  return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)

@@ -137,9 +137,10 @@ def landing(param: jax.Array, target: jax.Array) -> jax.Array:
 
 def landing_f32(param: jax.Array, target: jax.Array) -> jax.Array:
   """Returns ``landing(param, target)`` exactly in float32."""
-  f32 = lambda x: jax.lax.convert_element_type(x, jnp.float32)  # noqa: E731
-  param32 = f32(param)
-  update = jax.lax.sub(target if target.dtype == jnp.float32 else f32(target), param32)
+  param32 = jax.lax.convert_element_type(param, jnp.float32)
+  if target.dtype != jnp.float32:
+    target = jax.lax.convert_element_type(target, jnp.float32)
+  update = jax.lax.sub(target, param32)
   return tree_lib.round_as(jax.lax.add(param32, update), jnp.bfloat16)
 
 
@@ -147,8 +148,7 @@ def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
   """Compares two arrays of one floating dtype bit for bit, elementwise (NaN
   and -0 included)."""
   uint = jnp.dtype(f"uint{jnp.dtype(a.dtype).itemsize * 8}")
-  as_bits = lambda x: jax.lax.bitcast_convert_type(x, uint)  # noqa: E731
-  return jax.lax.eq(as_bits(a), as_bits(b))
+  return jax.lax.eq(jax.lax.bitcast_convert_type(a, uint), jax.lax.bitcast_convert_type(b, uint))
 
 
 def stochastic_round(value: jax.Array, random_bits: jax.Array) -> jax.Array:

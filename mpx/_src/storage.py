@@ -4,6 +4,7 @@ by the ``masters=`` mode (docs/design.md, "The storage kinds")."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import rounding
+from mpx._src import lowering, rounding
 from mpx._src import tree as tree_lib
 from mpx._src.states import (
   MixedPrecision24bitState,
@@ -378,6 +379,15 @@ class Master24bit(Remainder):
     return super().param_update(stored, handoff.master, param, applied)
 
 
+def any_stalled(handoffs: list[Any]) -> jax.Array | None:
+  """Returns whether any leaf's update stalled this step (a ``Landed24bit``
+  handoff says), or None where no leaf's kind checks."""
+  flags = [h.stalled for h in handoffs if isinstance(h, Landed24bit)]
+  if not flags:
+    return None
+  return functools.reduce(jnp.logical_or, flags, jnp.zeros((), bool))
+
+
 @dataclasses.dataclass(frozen=True)
 class Stochastic:
   """No master: the bfloat16 param is updated in float32 and rounded up or
@@ -428,6 +438,9 @@ class Mode:
   stored_field: str
   bfloat16_kind: StorageKind
   takes_other_narrow_params: bool
+  # Whether its state counts the steps on which a leaf's update stalled
+  # (``stalled_steps``, the 24-bit mode's).
+  counts_stalls: bool = False
 
   def kind_for(self, param: Any, dtype: Any, path: str) -> StorageKind:
     """Returns the kind of one param leaf under ``dtype`` masters, or a ValueError
@@ -465,10 +478,26 @@ class Mode:
   ) -> Any:
     """Returns the mode's state; ``stalled`` (the ``stalled_steps`` count, zero
     if None) only where the mode counts them."""
-    if "stalled_steps" not in getattr(self.state_type, "_fields", ()):
+    if not self.counts_stalls:
       return self.state_type(stored, applied, nonfinite, inner_state)
     stalled = jnp.zeros((), jnp.int32) if stalled is None else stalled
     return self.state_type(stored, applied, nonfinite, stalled, inner_state)
+
+  def stalled_steps(
+    self, state: Any, handoffs: list[Any], first_stalled: jax.Array | None, applied: jax.Array
+  ) -> jax.Array:
+    """Returns ``state``'s ``stalled_steps`` plus one if a leaf's update stalled
+    on this applied step (in a mode that ``counts_stalls``). ``first_stalled``:
+    the same flag from the accelerator's first pass (None without one), which
+    the step's own (zero on a skipped step) stands for on XLA:CPU."""
+    stalled = any_stalled(handoffs)
+    if stalled is None:
+      stalled = jnp.zeros((), bool)
+    if first_stalled is not None:
+      stalled = lowering.by_platform(
+        cpu=lambda: stalled, accelerator=lambda: jnp.logical_and(first_stalled, applied)
+      )
+    return state.stalled_steps + stalled.astype(jnp.int32)
 
   def map_stored(self, fn: Callable[[StorageKind, Any, Any], Any], state: Any, params: Any) -> Any:
     """Returns the tree of ``fn(kind, stored, param)`` over ``state``'s leaves
@@ -486,7 +515,14 @@ MODES = {
   "remainder": Mode(
     "remainder", MixedPrecisionRemainderState, "master_remainders", Remainder(), False
   ),
-  "24bit": Mode("24bit", MixedPrecision24bitState, "master_corrections", Master24bit(), False),
+  "24bit": Mode(
+    "24bit",
+    MixedPrecision24bitState,
+    "master_corrections",
+    Master24bit(),
+    False,
+    counts_stalls=True,
+  ),
   "stochastic": Mode(
     "stochastic", MixedPrecisionStochasticState, "rounding_keys", Stochastic(), False
   ),
