@@ -4,6 +4,8 @@ rounding, the block layout, and Adam fed the same gradients as
 float32 optax."""
 
 import functools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,12 @@ from jax.sharding import PartitionSpec as P
 import mpx
 from mpx._src import moment_codes as mc
 from mpx._src import rounding
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks import moment_codes_error  # noqa: E402
 
 KEY = jnp.uint32(0x1234ABCD)
 SIGNS = mc.SIGNS
@@ -270,7 +278,7 @@ def test_a_positive_second_moment_never_decodes_to_zero():
 
 def draws(x: np.ndarray, sign: str, steps: int) -> np.ndarray:
   """``decode(encode(x))`` with stochastic rounding at steps 0 to ``steps - 1``."""
-  f = jax.jit(jax.vmap(lambda c: mc.decode(mc.encode(jnp.asarray(x), sign, KEY, c, True))))
+  f = jax.jit(jax.vmap(lambda c: mc.decode(mc.encode(jnp.asarray(x), sign, KEY, c))))
   return np.asarray(f(jnp.arange(steps, dtype=jnp.int32)), np.float64)
 
 
@@ -330,7 +338,7 @@ def test_signs_and_formats_draw_independent_bits_from_one_key():
     _, d = encode_decode(x, sign, 7)
     ups.append((d > x)[0, halfway])
   tie = jnp.full(x.shape, 1 + 2.0**-8, jnp.float32)  # halfway between two bfloat16s
-  bf16 = np.asarray(mc.encode_bfloat16(tie, KEY, jnp.int32(7), True)).astype(np.float32)
+  bf16 = np.asarray(mc.encode_bfloat16(tie, KEY, jnp.int32(7))).astype(np.float32)
   bits = rounding.random_bits(KEY, jnp.int32(7), x.shape)
   plain = np.asarray(rounding.stochastic_round(tie, bits)).astype(np.float32)
   ups += [(bf16 > 1)[0, halfway], (plain > 1)[0, halfway]]
@@ -343,7 +351,8 @@ def test_signs_and_formats_draw_independent_bits_from_one_key():
 # --- bfloat16 --------------------------------------------------------------------
 
 
-def test_bfloat16_nearest_is_round_to_nearest_even_and_saturates():
+def test_the_benchmarks_bfloat16_nearest_is_round_to_nearest_even_and_saturates():
+  """The to-nearest baseline benchmarks/moment_codes_error.py sets beside mpx's."""
   rng = np.random.default_rng(5)
   x = np.concatenate(
     [
@@ -352,7 +361,7 @@ def test_bfloat16_nearest_is_round_to_nearest_even_and_saturates():
       [3.4e38, -3.4e38, np.finfo(np.float32).max, TINY, -TINY],
     ]
   ).astype(np.float32)
-  got = np.asarray(mc.encode_bfloat16(jnp.asarray(x), KEY, jnp.int32(0), False))
+  got = np.asarray(moment_codes_error.encode_bfloat16(jnp.asarray(x), KEY, jnp.int32(0), False))
   assert got.dtype == jnp.bfloat16
   bf16_max = np.float32(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
   expected = np.clip(x, -bf16_max, bf16_max).astype(ml_dtypes.bfloat16)
@@ -364,7 +373,7 @@ def test_bfloat16_stochastic_is_a_neighbour_unbiased_and_keeps_positives():
   rng = np.random.default_rng(6)
   x = np.concatenate([rng.standard_normal(300), 10.0 ** rng.uniform(-37, 38, 200), [TINY]])
   x = x.astype(np.float32)
-  f = jax.jit(jax.vmap(lambda c: mc.encode_bfloat16(jnp.asarray(x), KEY, c, True)))
+  f = jax.jit(jax.vmap(lambda c: mc.encode_bfloat16(jnp.asarray(x), KEY, c)))
   d = np.asarray(f(jnp.arange(4000, dtype=jnp.int32))).astype(np.float64)
   down = x.view(np.uint32) & np.uint32(0xFFFF0000)
   lo = down.view(np.float32).astype(np.float64)
@@ -385,7 +394,7 @@ def test_one_compilation_and_no_host_transfer(sign):
 
   @jax.jit
   def round_trip(x, step):
-    return mc.decode(mc.encode(x, sign, key, step, True))
+    return mc.decode(mc.encode(x, sign, key, step))
 
   steps = [jax.device_put(jnp.int32(i)) for i in range(4)]
   with jax.transfer_guard("disallow"):
@@ -417,7 +426,7 @@ def test_sharded_leaf_codes_bitwise_as_unsharded_with_no_collective(sign, spec):
   x = jnp.asarray(wide_values((16, 4096), seed=7, sign=sign))
   plain = _encode_jit(x, sign, KEY, jnp.int32(3))
   sharding = NamedSharding(mesh, spec)
-  f = jax.jit(functools.partial(mc.encode, sign=sign, key=KEY, stochastic=True))
+  f = jax.jit(functools.partial(mc.encode, sign=sign, key=KEY))
   lowered = f.lower(jax.device_put(x, sharding), step=jnp.int32(3))
   text = lowered.compile().as_text()
   for collective in ("all-reduce", "all-gather", "collective-permute", "all-to-all"):
@@ -433,9 +442,7 @@ def test_sharded_leaf_codes_bitwise_as_unsharded_with_no_collective(sign, spec):
 def test_bad_input_names_the_fix():
   x = jnp.ones((4, 300))
   with pytest.raises(ValueError, match="signed.*nonnegative"):
-    mc.encode(x, "unsigned", KEY, jnp.int32(0), True)
-  with pytest.raises(ValueError, match="stochastically"):
-    mc.encode(x, "signed", KEY, jnp.int32(0), False)  # type: ignore[arg-type]
+    mc.encode(x, "unsigned", KEY, jnp.int32(0))  # type: ignore[arg-type]
   c = _encode_jit(x, "signed", KEY, jnp.int32(0))
   with pytest.raises(ValueError, match="do not match"):
     mc.decode(c._replace(scales=c.scales[:, :1]))
@@ -487,8 +494,8 @@ def adam_side_by_side(grads, checkpoints: int):
 
   def enc(s, step):
     return (
-      jax.tree.map(lambda m: mc.encode(m, "signed", key, step, True), s.mu),
-      jax.tree.map(lambda v: mc.encode(v, "nonnegative", key, step, True), s.nu),
+      jax.tree.map(lambda m: mc.encode(m, "signed", key, step), s.mu),
+      jax.tree.map(lambda v: mc.encode(v, "nonnegative", key, step), s.nu),
     )
 
   def dec(stored):
@@ -568,9 +575,9 @@ def test_coding_against_the_maxima_is_bitwise_the_one_pass_code(sign, shape):
   x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-20, 3, (shape[0], 1))
   x[0, :5] = 0.0
   x = jnp.asarray(np.abs(x) if sign == "nonnegative" else x, jnp.float32)
-  one_pass = mc.encode(x, sign, KEY, jnp.int32(3), stochastic=True)
+  one_pass = mc.encode(x, sign, KEY, jnp.int32(3))
   scales = mc.maxima(x, sign)
-  two_pass = mc.encode(x, sign, KEY, jnp.int32(3), stochastic=True, scales=scales)
+  two_pass = mc.encode(x, sign, KEY, jnp.int32(3), scales=scales)
   for a, b in zip(one_pass, two_pass, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   decoded = np.asarray(mc.decode(one_pass))
@@ -607,7 +614,7 @@ def test_an_element_above_its_given_scale_codes_to_the_top_level_never_past_it(s
     x = x * jnp.asarray(np.where(rng.random((4, 1024)) < 0.5, -1.0, 1.0), jnp.float32)
   exact = np.asarray(mc.maxima(x, sign))
   for below in (np.nextafter(exact, np.float32(0)), exact * np.float32(0.5)):
-    stored = mc.encode(x, sign, KEY, jnp.int32(1), stochastic=True, scales=jnp.asarray(below))
+    stored = mc.encode(x, sign, KEY, jnp.int32(1), scales=jnp.asarray(below))
     decoded = np.asarray(mc.decode(stored))
     size, _ = mc.block_layout(x.shape)
     bound = np.repeat(below, size, axis=-1)
@@ -618,4 +625,4 @@ def test_an_element_above_its_given_scale_codes_to_the_top_level_never_past_it(s
     np.testing.assert_array_equal(np.abs(decoded)[above], bound[above])
     np.testing.assert_array_equal(np.sign(decoded)[above], np.sign(np.asarray(x))[above])
   with pytest.raises(ValueError, match="scales of shape"):
-    mc.encode(x, sign, KEY, jnp.int32(1), stochastic=True, scales=jnp.ones((4, 3)))
+    mc.encode(x, sign, KEY, jnp.int32(1), scales=jnp.ones((4, 3)))

@@ -313,7 +313,7 @@ def test_odd_shapes_round_trip_to_their_own_shape(shape):
   xs = {sign: jnp.asarray(moment(shape, sign, seed=5)) for sign in m4.SIGNS}
 
   def encode(xs):
-    return {sign: m4.encode(x, sign, KEY, STEP, stochastic=True) for sign, x in xs.items()}
+    return {sign: m4.encode(x, sign, KEY, STEP) for sign, x in xs.items()}
 
   stored = jax.eval_shape(encode, xs)
   decoded = jax.jit(lambda xs: {s: m4.decode(v) for s, v in encode(xs).items()})(xs)
@@ -422,12 +422,10 @@ def test_the_accelerator_program_codes_the_same_bytes_as_the_cpu_s():
   # XLA:GPU's program packs a byte at a time, XLA:CPU's a uint32 word.
   x = jnp.asarray(np.random.default_rng(11).normal(size=(4, 1024)), jnp.float32)
   key, step = jnp.uint32(7), jnp.int32(3)
-  encode = jax.jit(functools.partial(m4.encode, stochastic=True), static_argnums=1)
+  encode = jax.jit(m4.encode, static_argnums=1)
   cpu = encode(x, "signed", key, step)
   with lowering.forced(lowering.ACCELERATOR):
-    gpu = jax.jit(functools.partial(m4.encode, stochastic=True), static_argnums=1)(
-      x, "signed", key, step
-    )
+    gpu = jax.jit(m4.encode, static_argnums=1)(x, "signed", key, step)
   np.testing.assert_array_equal(np.asarray(cpu.codes), np.asarray(gpu.codes))
 
 
@@ -464,7 +462,7 @@ def test_no_float32_or_int32_array_is_written_out_on_cpu(sign, shape):
   g = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
 
   def encode(x):
-    return m4.encode(x, sign, KEY, STEP, stochastic=True)
+    return m4.encode(x, sign, KEY, STEP)
 
   def step(stored, g):
     g = g.astype(jnp.float32)
@@ -489,8 +487,6 @@ def test_bad_arguments_are_refused():
     m4.encode(x, "nonnegative", KEY, STEP, scales=jnp.ones((8, 5)))
   with pytest.raises(ValueError, match="expected"):
     m4.encode(x, "nonnegative", KEY, STEP, scales=jnp.ones((512,)))
-  with pytest.raises(ValueError, match="stochastically"):
-    m4.encode(x, "signed", KEY, STEP, False)  # type: ignore[arg-type]
   with pytest.raises(ValueError, match="expected"):
     m4.decode(m4.Signed4bitMoment(jnp.zeros((8, 256), jnp.uint8), jnp.ones((8, 7))))
 

@@ -193,7 +193,6 @@ def encode(
   sign: Sign,
   key: jax.Array,
   step: jax.Array,
-  stochastic: Literal[True] = True,
   scales: jax.Array | None = None,
 ) -> EightBitMoment:
   """Codes ``x`` (float32) in 8 bits per element and a float32 scale per block.
@@ -206,8 +205,6 @@ def encode(
     step: int32 scalar, the step the random bits are drawn for; it must change
       every time the leaf is encoded anew (mpx passes the count of applied
       steps).
-    stochastic: always True: rounds up or down at random (unbiased); nearest
-      rounding is a benchmark's (benchmarks/moment_codes_error.py).
     scales: optional, float32 ``(*shape[:-1], n_blocks)``, the scales to code
       against, as :func:`maxima` returns them (a first pass); by default
       ``maxima(x, sign)``. An element larger than its block's scale codes to
@@ -218,8 +215,6 @@ def encode(
     :func:`decode` turns it back into float32.
   """
   _check_sign(sign)
-  if not stochastic:
-    raise ValueError("the 8-bit codes round stochastically only")
   if scales is not None:
     x = jnp.asarray(x, jnp.float32)
     expected = (*x.shape[:-1], block_layout(x.shape)[1]) if x.ndim else (1,)
@@ -399,15 +394,13 @@ def decode_by_table(stored: EightBitMoment) -> jax.Array:
   return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
 
 
-def encode_bfloat16(x: jax.Array, key: jax.Array, step: jax.Array, stochastic: bool) -> jax.Array:
-  """Rounds ``x`` (float32) to bfloat16: to nearest (ties to even), or up or down
-  in magnitude at random with probability proportional to the distance
-  (unbiased). Magnitudes beyond bfloat16's largest finite value saturate at it."""
+def encode_bfloat16(x: jax.Array, key: jax.Array, step: jax.Array) -> jax.Array:
+  """Rounds ``x`` (float32) to bfloat16, up or down in magnitude at random with
+  probability proportional to the distance (unbiased). Magnitudes beyond
+  bfloat16's largest finite value saturate at it."""
   x = rounding.canonical(jnp.asarray(x, jnp.float32))
-  if stochastic:
-    bits = rounding.random_bits(_salted(key, "bfloat16"), step, x.shape)
-    return rounding.stochastic_round(x, bits)
-  return x.astype(jnp.bfloat16)
+  bits = rounding.random_bits(_salted(key, "bfloat16"), step, x.shape)
+  return rounding.stochastic_round(x, bits)
 
 
 def decode_bfloat16(x: jax.Array) -> jax.Array:

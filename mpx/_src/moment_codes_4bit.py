@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Any, Literal, NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -188,7 +188,6 @@ def encode(
   sign: Sign,
   key: jax.Array,
   step: jax.Array,
-  stochastic: Literal[True] = True,
   scales: jax.Array | None = None,
 ) -> FourBitMoment:
   """Codes ``x`` (float32, one or more axes) in 4 bits per element plus scales.
@@ -200,9 +199,6 @@ def encode(
     key: uint32 scalar, the leaf's key for random bits.
     step: int32 scalar, the step the random bits are drawn for; it must change
       every time the leaf is encoded anew.
-    stochastic: always True: rounds up or down at random (unbiased but for
-      nonnegative values below the smallest level, which always take it);
-      nearest rounding is a benchmark's (benchmarks/moment_codes_4bit_error.py).
     scales: optional, float32 ``(*lead, n_blocks + n % 2)``, the scales to
       code against, as :func:`maxima` returns them (a first pass); by default,
       ``maxima(x, sign)``. An element larger than its scale codes to the top
@@ -216,8 +212,6 @@ def encode(
   """
   x = jnp.asarray(x, jnp.float32)
   _check(x.shape, sign)
-  if not stochastic:
-    raise ValueError("the 4-bit codes round stochastically only")
   key = core._salted(key, f"4bit {sign}")
   layout = _Layout.of(x.shape)
   if scales is None:

@@ -104,7 +104,7 @@ class Bfloat16Compressed:
 
   def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Bfloat16Moment:
     key = jnp.uint32(self.key) if key is None else key
-    values = moment_codes.encode_bfloat16(value, key, applied_steps, stochastic=True)
+    values = moment_codes.encode_bfloat16(value, key, applied_steps)
     return Bfloat16Moment(values)
 
 
@@ -137,7 +137,7 @@ class BlockScaledKind:
 
   def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Any:
     key = jnp.uint32(self.key) if key is None else key
-    return self.codes.encode(value, self.sign, key, applied_steps, stochastic=True)
+    return self.codes.encode(value, self.sign, key, applied_steps)
 
   def magnitude(self, value: jax.Array) -> jax.Array:
     """Returns what a block's scale is the largest of, elementwise: ``|value|``
@@ -159,7 +159,7 @@ class BlockScaledKind:
     """Returns the stored form of ``value`` coded against ``scales`` (an element
     above its block's scale takes the top level)."""
     key = jnp.uint32(self.key)
-    return self.codes.encode(value, self.sign, key, applied_steps, True, scales=scales)
+    return self.codes.encode(value, self.sign, key, applied_steps, scales=scales)
 
 
 @dataclasses.dataclass(frozen=True)
