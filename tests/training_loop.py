@@ -41,11 +41,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import lowering_forms
 import numpy as np
 import optax
 
 import mpx
-from mpx._src import lowering
 from mpx._src.states import COMPRESSED_MOMENTS
 
 # MPX_LONG=1 selects thousands of steps and more seeds (see docs/guarantees.md).
@@ -249,7 +249,7 @@ def compiled_run(
   One per configuration and per form of the finite check (the
   ``finite_check_form`` fixture switches it; a jitted function traced under
   one form would keep it)."""
-  return _compiled_run(stack, config, masters, moments, lowering.forced_form())
+  return _compiled_run(stack, config, masters, moments, lowering_forms.current())
 
 
 @functools.cache
