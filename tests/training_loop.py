@@ -247,8 +247,8 @@ def compiled_run(
   state followed by those after every step (leading axis ``steps + 1``).
 
   One per configuration and per form of the finite check (the
-  ``finite_check_form`` fixture switches it; a jitted function traced under
-  one form would keep it)."""
+  ``finite_check_form`` fixture switches it; this cache would otherwise hand
+  one form's compiled run to another)."""
   return _compiled_run(stack, config, masters, moments, lowering_forms.current())
 
 
