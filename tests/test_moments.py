@@ -532,9 +532,11 @@ def test_the_two_pass_coder_codes_as_the_one_pass_coder(moments):
     "odd": jax.random.normal(jax.random.key(1), (16, 301)).astype(jnp.bfloat16),  # alone
     "b": jax.random.normal(jax.random.key(2), SMALL).astype(jnp.bfloat16),
   }
-  tx = mpx.mixed_precision(optax.adamw(1e-3), masters="remainder", moments=moments)
 
   def trajectory(form):
+    # A transformation per form: jax keeps a trace by the function traced,
+    # so a jit of the first form's tx.update would run its program in both.
+    tx = mpx.mixed_precision(optax.adamw(1e-3), masters="remainder", moments=moments)
     with forced(form):
       step = jax.jit(tx.update)
       state, out = tx.init(params), []
