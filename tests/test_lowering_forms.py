@@ -3,6 +3,8 @@ function mpx jits once for a whole process runs, after a switch, the program
 of the form switched to, never one traced in the form before."""
 
 import collections
+import importlib
+import pkgutil
 from typing import Any
 
 import jax
@@ -13,6 +15,7 @@ import pytest
 from lowering_forms import forced
 
 import mpx
+import mpx._src
 from mpx._src import moment_codes_4bit as m4
 from mpx._src import tree
 from mpx._src.moments import FourBitCompressed
@@ -27,13 +30,18 @@ def _spied(
   shifts, the accelerators' by a bitcast) and records every eager call of
   ``tree.jitted_when_eager``'s one jit, which it returns."""
   traced: collections.Counter = collections.Counter()
+
+  def counting(name: str) -> Any:
+    real = getattr(m4, name)
+
+    def spy(*args: Any) -> Any:
+      traced[name] += 1
+      return real(*args)
+
+    return spy
+
   for name in ("_pack", "_pack_by_bitcast"):
-
-    def spy(*args: Any, _real: Any = getattr(m4, name), _name: str = name) -> Any:
-      traced[_name] += 1
-      return _real(*args)
-
-    monkeypatch.setattr(m4, name, spy)
+    monkeypatch.setattr(m4, name, counting(name))
   calls: list[tuple[Any, ...]] = []
   jitted = tree._jitted
 
@@ -45,8 +53,18 @@ def _spied(
   return traced, calls, jitted
 
 
-def test_the_switched_jit_is_mpx_s_one_jit():
-  assert lowering_forms.OUTLIVE_A_FORM == (tree._jitted,)
+def test_the_switch_evicts_every_jit_mpx_keeps_at_module_level():
+  # A jitted function of mpx's own outlives every form: the switch evicts
+  # each one's traces (the steps a test jits are its own: CONTRIBUTING.md).
+  kept = [
+    value
+    for module in pkgutil.iter_modules(mpx._src.__path__, "mpx._src.")
+    for value in vars(importlib.import_module(module.name)).values()
+    if callable(getattr(value, "clear_cache", None))
+    and hasattr(value, "lower")
+    and getattr(value, "__module__", "").startswith("mpx.")
+  ]
+  assert {id(f) for f in kept} == {id(f) for f in lowering_forms.OUTLIVE_A_FORM}, kept
 
 
 @pytest.mark.parametrize("forms", [("gpu", "one-cpu", "gpu"), ("one-cpu", "gpu", "one-cpu")])
