@@ -25,6 +25,8 @@ def form(single_cpu=True):
 
 
 def traced(tree, single_cpu=True):
+  # A fresh function: jax caches a trace by the function traced, so a jit of
+  # mpx.all_finite itself would keep the form of its first trace.
   with form(single_cpu):
     return jax.jit(lambda tree: mpx.all_finite(tree)).lower(tree).compile()
 
