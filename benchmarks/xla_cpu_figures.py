@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
+import sys
 import time
 
 import jax
@@ -18,13 +20,19 @@ import jax.numpy as jnp
 import optax
 
 import mpx
-from mpx._src import lowering
+
+# The tests' switch between the step's lowered forms (CONTRIBUTING.md).
+TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
+if str(TESTS) not in sys.path:
+  sys.path.insert(0, str(TESTS))
+
+from lowering_forms import ACCELERATOR, ONE_CPU, SEVERAL_DEVICES, forced  # noqa: E402
 
 
 def check_scratch(dtype, n: int = 1 << 20) -> float:
   """Measures the single-CPU finite check's scratch per element over ``n`` elements."""
   tree = {"w": jnp.ones((n // 1024, 1024), dtype), "b": jnp.ones(1024, dtype)}
-  with lowering.forced(lowering.ONE_CPU):
+  with forced(ONE_CPU):
     compiled = jax.jit(lambda tree: mpx.all_finite(tree)).lower(tree).compile()
   return compiled.memory_analysis().temp_size_in_bytes / n
 
@@ -39,7 +47,7 @@ def step_scratch(dtype, tx: optax.GradientTransformation) -> float:
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  with lowering.forced(lowering.ONE_CPU):
+  with forced(ONE_CPU):
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
   n = sum(math.prod(s) for s in shapes.values())
   return compiled.memory_analysis().temp_size_in_bytes / n
@@ -56,7 +64,7 @@ def step_seconds(dtype, tx: optax.GradientTransformation, form: str, rounds: int
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  with lowering.forced(form):
+  with forced(form):
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
   params, state = jax.block_until_ready(compiled(params, state, grads))
   medians = []
@@ -84,8 +92,7 @@ def check_time() -> None:
     # SEVERAL_DEVICES keeps the CPU's skip and takes the accelerators' check;
     # ACCELERATOR takes both (with full moments nothing else differs).
     single, check, select = (
-      step_seconds(dtype, tx, f)
-      for f in (lowering.ONE_CPU, lowering.SEVERAL_DEVICES, lowering.ACCELERATOR)
+      step_seconds(dtype, tx, f) for f in (ONE_CPU, SEVERAL_DEVICES, ACCELERATOR)
     )
     print(
       f"{name}: XLA:CPU's forms {single * 1e3:.1f} ms per step; with the accelerators' "

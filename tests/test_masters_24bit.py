@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from lowering_forms import ACCELERATOR, forced
 
 import mpx
-from mpx._src import lowering, rounding, storage
+from mpx._src import rounding, storage
 
 
 def np_round_to_24bit(x: np.ndarray) -> np.ndarray:
@@ -167,7 +168,7 @@ def test_switch_full_to_24bit_keeps_the_nearest_master_and_sync_restarts_a_zeroe
   assert float(mpx.master_params(synced, zeroed)["w"][0]) == 0.0
 
 
-@pytest.mark.parametrize("form", [None, lowering.ACCELERATOR], ids=["cpu", "accelerator"])
+@pytest.mark.parametrize("form", [None, ACCELERATOR], ids=["cpu", "accelerator"])
 def test_the_stall_count_is_the_same_in_both_programs(form):
   """With 8-bit moments the accelerator's program reads the stall check in its
   first pass; it must count what the CPU's step counts (and skip no count)."""
@@ -178,7 +179,7 @@ def test_the_stall_count_is_the_same_in_both_programs(form):
   }
   grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
   tx = mpx.mixed_precision(optax.sgd(1e-3, momentum=0.9), masters="24bit", moments="8bit")
-  with lowering.forced(form):
+  with forced(form):
     state, step = tx.init(params), jax.jit(tx.update)
     assert isinstance(state.inner_state[0].trace["large"], mpx.Signed8bitMoment)
     _, state = step(grads, state, params)

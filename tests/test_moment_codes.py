@@ -403,7 +403,7 @@ def test_one_compilation_and_no_host_transfer(sign):
   assert not np.array_equal(outs[0], outs[1])  # fresh bits per step
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 # Each sign and each split once in the quick tier (a compilation for 8
 # devices each), -m slow the other two.
 @pytest.mark.parametrize(

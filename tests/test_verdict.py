@@ -224,7 +224,7 @@ def test_the_verdict_after_the_cast_is_agreed_across_axis_name_under_vmap():
 
 
 @jax_versions.requires_jax(compat.FLOAT8_NEEDS_JAX, "float8 params")
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (host) devices")
 def test_the_verdict_after_the_cast_is_agreed_across_axis_name_under_shard_map():
   tx, params, local = _split_verdict_case()
   mesh = Mesh(np.array(jax.devices()[:8]), ("data",))

@@ -41,11 +41,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import lowering_forms
 import numpy as np
 import optax
 
 import mpx
-from mpx._src import lowering
 from mpx._src.states import COMPRESSED_MOMENTS
 
 # MPX_LONG=1 selects thousands of steps and more seeds (see docs/guarantees.md).
@@ -247,9 +247,9 @@ def compiled_run(
   state followed by those after every step (leading axis ``steps + 1``).
 
   One per configuration and per form of the finite check (the
-  ``finite_check_form`` fixture switches it; a jitted function traced under
-  one form would keep it)."""
-  return _compiled_run(stack, config, masters, moments, lowering.forced_form())
+  ``finite_check_form`` fixture switches it; this cache would otherwise hand
+  one form's compiled run to another)."""
+  return _compiled_run(stack, config, masters, moments, lowering_forms.current())
 
 
 @functools.cache

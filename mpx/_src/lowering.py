@@ -3,48 +3,10 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
-
-# The programs a test may force: a one-CPU-device process's, a
-# several-device CPU process's, and a GPU's (lowered for the CPU).
-ONE_CPU, SEVERAL_DEVICES, ACCELERATOR = "one-cpu", "several-devices", "gpu"
-FORMS = (ONE_CPU, SEVERAL_DEVICES, ACCELERATOR)
-
-_forced: str | None = None
-
-
-def force_form(form: str | None) -> None:
-  """Makes every later trace lower ``form``'s programs (None: the process's own).
-
-  The tests' seam (tests/lowering_forms.py reads their switch,
-  ``MPX_TEST_FORM``): it lets one CPU process run the GPU program's forms,
-  or a one-device process's in a process of 8 host devices.
-  """
-  global _forced
-  if form is not None and form not in FORMS:
-    raise ValueError(f"lowering form {form!r}: expected one of {', '.join(FORMS)} or None")
-  _forced = form
-
-
-def forced_form() -> str | None:
-  """Returns the form :func:`force_form` set, or None."""
-  return _forced
-
-
-@contextlib.contextmanager
-def forced(form: str | None) -> Iterator[None]:
-  """Lowers every step traced inside to ``form``'s programs (None: the
-  process's own), then restores the form before it."""
-  before = _forced
-  force_form(form)
-  try:
-    yield
-  finally:
-    force_form(before)
 
 
 def by_platform(
@@ -62,7 +24,6 @@ def by_platform(
   the accelerator form in a process of several devices, for CPU forms that
   read single elements of leaves a mesh may split (XLA would gather them).
   """
-  several = _forced == SEVERAL_DEVICES or (_forced is None and jax.device_count() > 1)
-  if _forced == ACCELERATOR or (cpu_needs_one_device and several):
+  if cpu_needs_one_device and jax.device_count() > 1:
     return accelerator(*operands)
   return jax.lax.platform_dependent(*operands, cpu=cpu, default=accelerator)
