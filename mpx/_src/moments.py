@@ -501,7 +501,7 @@ def _written_after(applied_steps: jax.Array, others: list[Any]) -> jax.Array:
 
   The moments' step, it orders each compressed moment's in-place write after
   the kernels that read the old moment, which XLA:CPU would otherwise meet
-  with a copy (docs/design.md, the workaround table).
+  with a copy (docs/design.md, "Compiler workarounds").
   """
   firsts = [
     jnp.ravel(x)[:1].astype(jnp.float32)
