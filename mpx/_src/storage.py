@@ -289,28 +289,26 @@ def stall_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
   """
   target = stall_sample(math.prod(shape))
   counts = [1] * len(shape)
-
-  def sampled(counts: list[int]) -> int:
-    return math.prod(-(-n // (n // c)) for n, c in zip(shape, counts, strict=True))
-
-  def grow(factor: Callable[[int, int], int]) -> None:
-    grown = True
+  # First by the smallest factor of what each dimension has left; then, where
+  # that fell short of a quarter of the aim, by doubling (uneven strides).
+  for by_factors in (True, False):
+    grown = by_factors or _sampled(shape, counts) < target // 4
     while grown:
       grown = False
       for d, n in enumerate(shape):
-        larger = [*counts[:d], counts[d] * factor(n, counts[d]), *counts[d + 1 :]]
-        if counts[d] < larger[d] <= n and sampled(larger) <= target:
+        left = n // counts[d]
+        factor = 2
+        if by_factors:  # the smallest factor above 1 (`left` itself if prime)
+          factor = next((f for f in range(2, math.isqrt(left) + 1) if left % f == 0), left)
+        larger = [*counts[:d], counts[d] * factor, *counts[d + 1 :]]
+        if counts[d] < larger[d] <= n and _sampled(shape, larger) <= target:
           counts[d], grown = larger[d], True
-
-  grow(lambda n, count: _smallest_factor(n // count))
-  if sampled(counts) < target // 4:
-    grow(lambda n, count: 2)
   return tuple(n // c for n, c in zip(shape, counts, strict=True))
 
 
-def _smallest_factor(n: int) -> int:
-  """Returns the smallest factor of ``n`` above 1 (``n`` itself if prime; 1 for 1)."""
-  return next((f for f in range(2, math.isqrt(n) + 1) if n % f == 0), n)
+def _sampled(shape: tuple[int, ...], counts: list[int]) -> int:
+  """Returns how many elements strides of ``n // count`` along each dimension read."""
+  return math.prod(-(-n // (n // c)) for n, c in zip(shape, counts, strict=True))
 
 
 def _largest(*arrays: jax.Array) -> tuple[jax.Array, ...]:
