@@ -318,13 +318,9 @@ def _largest(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     jnp.abs(jax.lax.slice(x, (0,) * x.ndim, x.shape, stall_strides(x.shape))).astype(jnp.float32)
     for x in arrays
   ]
-
-  def larger(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
-
   zeros = tuple(np.float32(0) for _ in samples)
   axes = tuple(range(samples[0].ndim))
-  return tuple(jax.lax.reduce(tuple(samples), zeros, larger, axes))
+  return tuple(jax.lax.reduce(tuple(samples), zeros, tree_lib.elementwise_max, axes))
 
 
 class Landed24bit(NamedTuple):
