@@ -436,9 +436,10 @@ class Mode:
   # (``stalled_steps``, the 24-bit mode's).
   counts_stalls: bool = False
 
-  def kind_for(self, param: Any, dtype: Any, path: str) -> StorageKind:
+  def kind_for(self, param: Any, dtype: Any, path: tuple[Any, ...] | str) -> StorageKind:
     """Returns the kind of one param leaf under ``dtype`` masters, or a ValueError
-    naming the leaf."""
+    naming the leaf: ``path``, its key path (rendered for the error alone) or
+    a name."""
     param_dtype = tree_lib.leaf_dtype(param)
     if not tree_lib.is_floating(param) or jnp.finfo(param_dtype).bits >= jnp.finfo(dtype).bits:
       return NoMaster()
@@ -446,8 +447,9 @@ class Mode:
       return self.bfloat16_kind
     if self.takes_other_narrow_params:
       return Copy(np.dtype(dtype))
+    name = path if isinstance(path, str) else tree_lib.path_str(path) or "<root>"
     raise ValueError(
-      f"mixed_precision(masters={self.name!r}): param {path!r} is "
+      f"mixed_precision(masters={self.name!r}): param {name!r} is "
       f"{param_dtype}, but this mode works on bfloat16 params under "
       "float32 masters (bfloat16 is the top half of float32). Keep such leaves "
       'under masters="full", e.g. with optax.partition.'
