@@ -362,12 +362,11 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
-  """Returns ``(paths, leaves, treedef)`` with ``optax.MaskedNode`` as a leaf (the
-  holes ``optax.partition`` and ``masked`` leave), paths as ``"a/b/0"``."""
+def _flatten(tree: Any) -> tuple[list[tuple[Any, ...]], list[Any], Any]:
+  """Returns ``(key paths, leaves, treedef)`` with ``optax.MaskedNode`` as a leaf
+  (the holes ``optax.partition`` and ``masked`` leave)."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_lib.is_masked_node)
-  paths = [tree_lib.path_str(path) or "<root>" for path, _ in flat]
-  return paths, [leaf for _, leaf in flat], treedef
+  return [path for path, _ in flat], [leaf for _, leaf in flat], treedef
 
 
 def _check_mode(masters: Any, dtype: Any) -> storage.Mode:

@@ -697,12 +697,8 @@ def _joint_block_max(operands: list[jax.Array], size: int) -> list[jax.Array]:
   codes and its gradient) once."""
   shape = operands[0].shape
   blocked = [x.reshape((*shape[:-1], shape[-1] // size, size)) for x in operands]
-
-  def reducer(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
-
   zeros = tuple(np.zeros((), x.dtype) for x in blocked)
-  return list(jax.lax.reduce(tuple(blocked), zeros, reducer, (len(shape),)))
+  return list(jax.lax.reduce(tuple(blocked), zeros, tree_lib.elementwise_max, (len(shape),)))
 
 
 def _coarser(block_max: jax.Array, factor: int) -> jax.Array:

@@ -42,7 +42,9 @@ def canonical(master: jax.Array) -> jax.Array:
 
 def round_ties_away(master: jax.Array) -> jax.Array:
   """Rounds a canonical float32 ``master`` to the nearest bfloat16, ties away."""
-  return _bf16(_shift_right(jax.lax.add(_bits(master), np.uint32(0x8000)), 16))
+  return _bf16(
+    jax.lax.shift_right_logical(jax.lax.add(_bits(master), np.uint32(0x8000)), np.uint32(16))
+  )
 
 
 def round_ties_away_f32(master: jax.Array) -> jax.Array:
@@ -73,7 +75,7 @@ def join(param: jax.Array, remainder: jax.Array) -> jax.Array:
   master ``(param_bits << 16) + remainder``, exact for every pair ``split``
   made. A zero param with a negative remainder (see ``wraps``) joins as zero."""
   low = jax.lax.select(wraps(param, remainder), jnp.zeros_like(remainder), remainder)
-  high = _shift_left(_bf16_bits(param), 16)
+  high = jax.lax.shift_left(_bf16_bits(param), np.uint32(16))
   return _float(jax.lax.add(high, low.astype(jnp.int32).astype(U32)))
 
 
@@ -115,7 +117,8 @@ def join_24bit(param: jax.Array, correction: jax.Array) -> jax.Array:
   negative correction (see ``wraps``) joins as zero."""
   low = jax.lax.select(wraps(param, correction), jnp.zeros_like(correction), correction)
   shifted = jax.lax.shift_left(low.astype(jnp.int32), np.int32(8))
-  return _float(jax.lax.add(_shift_left(_bf16_bits(param), 16), shifted.astype(U32)))
+  high = jax.lax.shift_left(_bf16_bits(param), np.uint32(16))
+  return _float(jax.lax.add(high, shifted.astype(U32)))
 
 
 def spacing_24bit(magnitude: jax.Array) -> jax.Array:
@@ -158,20 +161,12 @@ def stochastic_round(value: jax.Array, random_bits: jax.Array) -> jax.Array:
   value = canonical(value)
   bits = _bits(value)
   noise = jax.lax.bitwise_and(random_bits, np.uint32(0xFFFF))
-  rounded = _shift_right(jax.lax.add(bits, noise), 16)
+  rounded = jax.lax.shift_right_logical(jax.lax.add(bits, noise), np.uint32(16))
   # Rounding up from the bfloat16 maximum would give inf: stay at the maximum.
   magnitude = jax.lax.bitwise_and(rounded, np.uint32(0x7FFF))
   at_inf = jax.lax.eq(magnitude, np.uint32(0x7F80))
   overflows = jax.lax.bitwise_and(jax.lax.is_finite(value), at_inf)
-  return _bf16(jax.lax.select(overflows, _shift_right(bits, 16), rounded))
-
-
-def _shift_right(bits: jax.Array, by: int) -> jax.Array:
-  return jax.lax.shift_right_logical(bits, np.uint32(by))
-
-
-def _shift_left(bits: jax.Array, by: int) -> jax.Array:
-  return jax.lax.shift_left(bits, np.uint32(by))
+  return _bf16(jax.lax.select(overflows, jax.lax.shift_right_logical(bits, np.uint32(16)), rounded))
 
 
 def leaf_key(seed: int, leaf: int) -> np.uint32:

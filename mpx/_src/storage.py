@@ -289,28 +289,26 @@ def stall_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
   """
   target = stall_sample(math.prod(shape))
   counts = [1] * len(shape)
-
-  def sampled(counts: list[int]) -> int:
-    return math.prod(-(-n // (n // c)) for n, c in zip(shape, counts, strict=True))
-
-  def grow(factor: Callable[[int, int], int]) -> None:
-    grown = True
+  # First by the smallest factor of what each dimension has left; then, where
+  # that fell short of a quarter of the aim, by doubling (uneven strides).
+  for by_factors in (True, False):
+    grown = by_factors or _sampled(shape, counts) < target // 4
     while grown:
       grown = False
       for d, n in enumerate(shape):
-        larger = [*counts[:d], counts[d] * factor(n, counts[d]), *counts[d + 1 :]]
-        if counts[d] < larger[d] <= n and sampled(larger) <= target:
+        left = n // counts[d]
+        factor = 2
+        if by_factors:  # the smallest factor above 1 (`left` itself if prime)
+          factor = next((f for f in range(2, math.isqrt(left) + 1) if left % f == 0), left)
+        larger = [*counts[:d], counts[d] * factor, *counts[d + 1 :]]
+        if counts[d] < larger[d] <= n and _sampled(shape, larger) <= target:
           counts[d], grown = larger[d], True
-
-  grow(lambda n, count: _smallest_factor(n // count))
-  if sampled(counts) < target // 4:
-    grow(lambda n, count: 2)
   return tuple(n // c for n, c in zip(shape, counts, strict=True))
 
 
-def _smallest_factor(n: int) -> int:
-  """Returns the smallest factor of ``n`` above 1 (``n`` itself if prime; 1 for 1)."""
-  return next((f for f in range(2, math.isqrt(n) + 1) if n % f == 0), n)
+def _sampled(shape: tuple[int, ...], counts: list[int]) -> int:
+  """Returns how many elements strides of ``n // count`` along each dimension read."""
+  return math.prod(-(-n // (n // c)) for n, c in zip(shape, counts, strict=True))
 
 
 def _largest(*arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -320,13 +318,9 @@ def _largest(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     jnp.abs(jax.lax.slice(x, (0,) * x.ndim, x.shape, stall_strides(x.shape))).astype(jnp.float32)
     for x in arrays
   ]
-
-  def larger(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
-
   zeros = tuple(np.float32(0) for _ in samples)
   axes = tuple(range(samples[0].ndim))
-  return tuple(jax.lax.reduce(tuple(samples), zeros, larger, axes))
+  return tuple(jax.lax.reduce(tuple(samples), zeros, tree_lib.elementwise_max, axes))
 
 
 class Landed24bit(NamedTuple):
@@ -442,9 +436,10 @@ class Mode:
   # (``stalled_steps``, the 24-bit mode's).
   counts_stalls: bool = False
 
-  def kind_for(self, param: Any, dtype: Any, path: str) -> StorageKind:
+  def kind_for(self, param: Any, dtype: Any, path: tuple[Any, ...] | str) -> StorageKind:
     """Returns the kind of one param leaf under ``dtype`` masters, or a ValueError
-    naming the leaf."""
+    naming the leaf: ``path``, its key path (rendered for the error alone) or
+    a name."""
     param_dtype = tree_lib.leaf_dtype(param)
     if not tree_lib.is_floating(param) or jnp.finfo(param_dtype).bits >= jnp.finfo(dtype).bits:
       return NoMaster()
@@ -452,8 +447,9 @@ class Mode:
       return self.bfloat16_kind
     if self.takes_other_narrow_params:
       return Copy(np.dtype(dtype))
+    name = path if isinstance(path, str) else tree_lib.path_str(path) or "<root>"
     raise ValueError(
-      f"mixed_precision(masters={self.name!r}): param {path!r} is "
+      f"mixed_precision(masters={self.name!r}): param {name!r} is "
       f"{param_dtype}, but this mode works on bfloat16 params under "
       "float32 masters (bfloat16 is the top half of float32). Keep such leaves "
       'under masters="full", e.g. with optax.partition.'

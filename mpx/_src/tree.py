@@ -221,6 +221,12 @@ def round_as(x: jax.Array, dtype: Any) -> jax.Array:
   return jax.lax.select(below, small, normal)
 
 
+def elementwise_max(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """Returns the elementwise maximum of two tuples of arrays, pair by pair: the
+  computation of a variadic ``lax.reduce`` that takes several maxima at once."""
+  return tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True))
+
+
 def strong_types(tree: PyTree) -> PyTree:
   """Makes every weakly typed array in ``tree`` strongly typed (same bits).
   A skip by select keeps each leaf's type, so a weak leaf of a rule's init,

@@ -216,12 +216,13 @@ def _by_cond(
   # branches on explicit meshes.
   outputs_like = jax.eval_shape(step, state, arrays)[1]
 
-  def branch(taken: bool, state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
-    if taken:
-      return *step(state, arrays), jnp.asarray(True)
+  def apply(state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
+    return *step(state, arrays), jnp.asarray(True)
+
+  def skip(state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
+    del arrays
     return state, jax.tree.map(jnp.zeros_like, outputs_like), jnp.asarray(False)
 
-  apply, skip = functools.partial(branch, True), functools.partial(branch, False)
   return jax.lax.cond(finite, apply, skip, state, arrays)
 
 
