@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -63,10 +64,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.moment_codes_error import coder as table_coder
 from mpx._src import moment_codes as mc8
 from mpx._src import moment_codes_4bit as mc4
 from mpx._src import rounding
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is a package of the checkout
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks.moment_codes_error import coder as table_coder  # noqa: E402
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 Array = jax.Array
