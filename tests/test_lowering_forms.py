@@ -34,9 +34,9 @@ def _spied(
   def counting(name: str) -> Any:
     real = getattr(m4, name)
 
-    def spy(*args: Any) -> Any:
+    def spy(*args: Any, **kwargs: Any) -> Any:
       traced[name] += 1
-      return real(*args)
+      return real(*args, **kwargs)
 
     return spy
 
