@@ -100,8 +100,8 @@ def test_the_single_cpu_check_needs_almost_no_scratch(dtype):
   assert compiled.memory_analysis().temp_size_in_bytes <= 0.1 * n
 
 
-# 30 examples: each compiles the check for its leaf's size in both forms.
-@settings(max_examples=30, deadline=None)
+# 15 examples: each compiles the check for its leaf's size in both forms.
+@settings(max_examples=15, deadline=None)
 @given(
   dtype=st.sampled_from(DTYPES),
   size=st.integers(1, 3000),

@@ -263,6 +263,9 @@ def test_8bit_second_moments_never_decode_to_zero_where_float32s_are_positive():
   assert np.all(np.isfinite(updates)) and np.abs(updates).max() < 2e-3
 
 
+# Slow: test_shard_like_params lays out every mode in the quick tier; the
+# compressed step's collectives are counted here.
+@pytest.mark.slow
 def test_8bit_state_is_sharded_with_its_leaf_and_adds_no_collective():
   """zero1_shardings splits codes and scales alike, on block boundaries; the
   step with 8-bit moments compiles with the collectives of the step with

@@ -193,6 +193,7 @@ def test_zero1_shardings_specs_for_every_kind_of_leaf():
 # --- GSPMD -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # the quick tier pins the shardings (test_zero1.py); here nothing is pinned
 def test_gspmd_state_follows_each_params_sharding_through_unpinned_steps():
   """2x4 mesh, tensor-parallel params: with nothing pinned but the inputs,
   after every step (one skipped) each master and moment is sharded exactly
@@ -229,9 +230,8 @@ def test_gspmd_state_follows_each_params_sharding_through_unpinned_steps():
   assert params["w1"].sharding.spec == P(None, "model")
 
 
-# Quick: data parallelism. The tensor-parallel count (one extra all-reduce) is
-# checked in the quick tier by the ZeRO-1 test on the 4 x 2 mesh; -m slow adds
-# it here.
+# Quick: data parallelism. -m slow adds the tensor-parallel count (one extra
+# all-reduce), here and in the ZeRO-1 test on the 4 x 2 mesh.
 @jax_versions.requires_jax("0.7.0", "GSPMD before Shardy adds two all-reduces")
 @pytest.mark.parametrize(
   "layout, mesh_shape",
@@ -299,11 +299,11 @@ def test_overflow_only_in_the_cross_device_sum_is_skipped(zero):
 # --- ZeRO-1 ----------------------------------------------------------------
 
 
-# The quick tier keeps the 4 x 2 mesh (tensor-parallel params, the state split
-# over data too); -m slow adds plain data parallelism over 8 devices.
+# The quick tier keeps plain data parallelism over 8 devices (test_zero1.py's
+# quick cases place tensor-parallel params); -m slow adds the 4 x 2 mesh.
 @pytest.mark.parametrize(
   "mesh_shape",
-  [pytest.param((8,), id="data8", marks=pytest.mark.slow), pytest.param((4, 2), id="data4xmodel2")],
+  [pytest.param((8,), id="data8"), pytest.param((4, 2), id="data4xmodel2", marks=pytest.mark.slow)],
 )
 def test_zero1_divides_state_memory_and_trains_bitwise_like_replicated(mesh_shape):
   mesh = make_mesh(mesh_shape)
