@@ -447,7 +447,7 @@ class Mode:
       return self.bfloat16_kind
     if self.takes_other_narrow_params:
       return Copy(np.dtype(dtype))
-    name = path if isinstance(path, str) else tree_lib.path_str(path) or "<root>"
+    name = path if isinstance(path, str) else tree_lib.path_text(path)
     raise ValueError(
       f"mixed_precision(masters={self.name!r}): param {name!r} is "
       f"{param_dtype}, but this mode works on bfloat16 params under "

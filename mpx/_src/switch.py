@@ -126,7 +126,7 @@ def _stored_forms(tree: Any) -> dict[str, str]:
   is_leaf = lambda x: moments.is_compressed(x) or tree_lib.is_placeholder(x)  # noqa: E731
   flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
   return {
-    tree_lib.path_str(path) or "<root>": type(leaf).__name__
+    tree_lib.path_text(path): type(leaf).__name__
     if moments.is_compressed(leaf) or tree_lib.is_placeholder(leaf)
     else validation.describe(leaf)
     for path, leaf in flat

@@ -50,6 +50,11 @@ def path_str(path: tuple[Any, ...]) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
+def path_text(path: tuple[Any, ...]) -> str:
+  """Renders a key path for a message: :func:`path_str`, ``"<root>"`` for the root."""
+  return path_str(path) or "<root>"
+
+
 def select_tree(pred: jax.typing.ArrayLike, on_true: PyTree, on_false: PyTree) -> PyTree:
   """Picks ``on_true`` where the scalar ``pred`` holds, else ``on_false``.
 

@@ -13,6 +13,7 @@ import numpy as np
 from mpx._src import adapters, state_search
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
+from mpx._src.tree import path_text
 
 
 def check_transformation(inner: Any, name: str = "inner") -> None:
@@ -61,7 +62,7 @@ def check_mixed_precision_inputs(
       # A remainder's or a rounding key's master is float32.
       master = tree_lib.leaf_dtype(got) if tree_lib.is_floating(got) else np.dtype(np.float32)
       raise ValueError(
-        f"mixed_precision: param {_path_text(path)!r} is {describe(param)}, but the state "
+        f"mixed_precision: param {path_text(path)!r} is {describe(param)}, but the state "
         "holds a master for a narrower param: the params were widened. mpx's updates are "
         f"in {master}, and an apply that adds them without casting back (e.g. "
         "equinox.apply_updates) widens each param. Apply them with optax.apply_updates, "
@@ -70,7 +71,7 @@ def check_mixed_precision_inputs(
       )
     if tree_lib.is_placeholder(got) and not tree_lib.is_placeholder(want):
       raise ValueError(
-        f"mixed_precision: param {_path_text(path)!r} is {describe(param)} but the state "
+        f"mixed_precision: param {path_text(path)!r} is {describe(param)} but the state "
         "holds no master for it (the state was initialised on wider params). "
         "Re-initialise, or use mpx.init_from_full_precision to start "
         "low-precision training from full-precision weights."
@@ -86,13 +87,13 @@ def check_mixed_precision_inputs(
           ".spec for in_specs and out_specs)."
         )
       raise ValueError(
-        f"mixed_precision: param {_path_text(path)!r} has shape {list(np.shape(param))} but its "
+        f"mixed_precision: param {path_text(path)!r} has shape {list(np.shape(param))} but its "
         f"master has shape {list(np.shape(got))}.{hint}"
       )
     if _layout(got) != _layout(want):
       raise ValueError(
         "mixed_precision: opt_state was not made by this transformation's init (or not "
-        f"for these params): at {field}/{_path_text(path)}: expected {describe(want)}, got "
+        f"for these params): at {field}/{path_text(path)}: expected {describe(want)}, got "
         f"{describe(got)} (another masters= mode or master dtype?)."
       )
 
@@ -168,7 +169,7 @@ def check_inner_results(
   for path, update, param in checked:
     if tree_lib.is_floating(param) and np.shape(update) != np.shape(param):
       raise ValueError(
-        f"{name}: the gradient of {_path_text(path)!r} has leading axes beyond its param's shape "
+        f"{name}: the gradient of {path_text(path)!r} has leading axes beyond its param's shape "
         f"{list(np.shape(param))}, and the inner rule did not reduce them (its update "
         f"has shape {list(np.shape(update))}). Per-example gradients need a "
         "rule that reduces them, such as optax.contrib.dpsgd; otherwise pass gradients "
@@ -185,7 +186,7 @@ def check_inner_results(
       continue
     if _layout(new) != _layout(old):
       raise TypeError(
-        f"{name}: the inner rule changed the type of its state at {_path_text(path)} from "
+        f"{name}: the inner rule changed the type of its state at {path_text(path)} from "
         f"{describe(old)} to {describe(new)}. {_changed_type_fix(name, old)}"
       )
 
@@ -219,7 +220,7 @@ def check_state_like(name: str, state: Any, expected: Any, prefix: str = "") -> 
       continue
     if _layout(got) != _layout(want):
       raise ValueError(
-        f"{intro}: at {prefix}{_path_text(path)}: expected {describe(want)}, got {describe(got)}."
+        f"{intro}: at {prefix}{path_text(path)}: expected {describe(want)}, got {describe(got)}."
       )
 
 
@@ -261,12 +262,6 @@ def zip_leaves(
   flat, _ = jax.tree_util.tree_flatten_with_path(first, is_leaf=tree_lib.is_placeholder)
   for (path, a), b in zip(flat, second_def.flatten_up_to(second), strict=True):
     yield path, a, b
-
-
-def _path_text(path: tuple[Any, ...]) -> str:
-  """Renders a key path of :func:`zip_leaves` as ``"a/b/0"`` (``"<root>"`` for
-  the root): only in a message, never for a tree that passes."""
-  return tree_lib.path_str(path) or "<root>"
 
 
 def varying_axes(tree: Any) -> frozenset[Any]:
@@ -334,21 +329,21 @@ def check_gradients(name: str, grads: Any, params: Any) -> bool:
   for path, grad, param in zip_leaves(grads, adapters.gradient_params(params), mismatch):
     if param is None and grad is not None:
       raise ValueError(
-        f"{name}: gradient {_path_text(path)!r} is {describe(grad)} but its param is None: "
+        f"{name}: gradient {path_text(path)!r} is {describe(grad)} but its param is None: "
         "pass None there too, as jax.grad does for a None leaf."
       )
     if tree_lib.is_placeholder(param) or not tree_lib.is_floating(param):
       continue  # integer params take integer or float0 gradients
     if not tree_lib.is_floating(grad):
       raise ValueError(
-        f"{name}: gradient {_path_text(path)!r} is {tree_lib.leaf_dtype(grad)} but its param is "
+        f"{name}: gradient {path_text(path)!r} is {tree_lib.leaf_dtype(grad)} but its param is "
         f"{tree_lib.leaf_dtype(param)}: the gradient of a floating param must be floating."
       )
     extra = varying_axes(grad) - varying_axes(param)
     if extra:
       axes, arg = _axes_text(extra), _axes_arg(extra)
       raise ValueError(
-        f"{name}: gradient {_path_text(path)!r} varies across mesh axis {axes} (shard_map) but its "
+        f"{name}: gradient {path_text(path)!r} varies across mesh axis {axes} (shard_map) but its "
         "param does not: each device would update its copy of the param and its state its "
         f"own way. Reduce the gradients over {axes} first (jax.lax.pmean(grads, {arg})), or "
         "take jax.grad with respect to the replicated params, which reduces them; or give "
@@ -361,7 +356,7 @@ def check_gradients(name: str, grads: Any, params: Any) -> bool:
       per_example = True  # allowed if the inner rule reduces the leading axes
       continue
     raise ValueError(
-      f"{name}: gradient {_path_text(path)!r} has shape {list(grad_shape)} but its param has "
+      f"{name}: gradient {path_text(path)!r} has shape {list(grad_shape)} but its param has "
       f"shape {list(shape)}."
     )
   return per_example
