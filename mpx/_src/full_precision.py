@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import adapters, rounding, storage, validation
+from mpx._src import rounding, storage, validation
 from mpx._src import tree as tree_lib
 
 # Keyed by leaf identity, which survives any wrapper's reshaping of the tree
@@ -184,7 +184,7 @@ def user_paths(tree: Any) -> list[str]:
   linen box's leaf by the box's path (``"Dense_0/kernel"``, not its ``value``)."""
   return [
     tree_lib.path_str(path)
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=adapters.is_linen_box)[0]
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_lib.is_linen_box)[0]
     for _ in jax.tree.leaves(node)
   ]
 

@@ -92,7 +92,7 @@ def mixed_precision(
   validation.check_transformation(inner)
   step = _Step(optax.with_extra_args_support(inner), dtype, mode, moments_format, seed)
   return verdict.TakesLossScaledGradients(
-    step.init_fn, adapters.through_linen_boxes(step.update_fn)
+    step.init_fn, tree_lib.through_linen_boxes(step.update_fn)
   )
 
 
@@ -225,10 +225,12 @@ class _Step:
       for k, p in zip(kinds, flat, strict=True)
     ]
     inner_like = jax.eval_shape(self.inner.init, treedef.unflatten(masters_like))
-    if self.moments_format.compresses:
-      inner_like = self.moments_format.stored_like(inner_like)
-    stored_like = [k.stored_like(p) for k, p in zip(kinds, flat, strict=True)]
     counter = jax.ShapeDtypeStruct((), jnp.int32)
+    if self.moments_format.compresses:
+      # What the step's own coder stores, so that the two cannot disagree.
+      store = functools.partial(moments_lib.compressed, self.moments_format)
+      inner_like = jax.eval_shape(store, inner_like, counter)
+    stored_like = [k.stored_like(p) for k, p in zip(kinds, flat, strict=True)]
     return self.mode.state(treedef.unflatten(stored_like), counter, counter, inner_like, counter)
 
   def _step_on_masters(
@@ -318,7 +320,7 @@ class _Leaves:
   """One step's params and what is stored for them, lined up leaf for leaf
   (``MaskedNode`` where a param has nothing stored) with each leaf's storage
   kind; and the gradients, with the dtype each is received in (None: as it
-  is). The gradients mirror the params (``adapters.gradient_params``: all of
+  is). The gradients mirror the params (``tree.gradient_params``: all of
   them, or ``optax.lookahead``'s fast weights)."""
 
   treedef: Any
@@ -334,7 +336,7 @@ class _Leaves:
     """Lines the trees up (checked against each other before)."""
     paths, params_flat, treedef = _flatten(params)
     kinds = [mode.kind_for(p, dtype, path) for path, p in zip(paths, params_flat, strict=True)]
-    mirrored = adapters.gradient_params(params)
+    mirrored = tree_lib.gradient_params(params)
     grad_kinds = kinds
     if mirrored is not params:
       grad_paths, grad_params, _ = _flatten(mirrored)
@@ -438,9 +440,9 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
   # A flax linen box around a param (nn.Partitioned) may hold an unboxed
   # stored leaf (a rounding key): the masters are read unboxed, then boxed
   # like the params.
-  boxed = params if adapters.has_linen_boxes(params) else None
+  boxed = params if tree_lib.has_linen_boxes(params) else None
   if boxed is not None:
-    params, opt_state = adapters.without_linen_boxes((params, opt_state))
+    params, opt_state = tree_lib.without_linen_boxes((params, opt_state))
   result = params
   states: list[Any] = state_search.find_states(opt_state, MIXED_PRECISION_STATES)
   for state in states:
@@ -452,7 +454,7 @@ def master_params(opt_state: optax.OptState, params: tree_lib.PyTree) -> tree_li
         "master_params: params do not match the masters in opt_state: pass the params "
         "as the state was made for them (under nnx: nnx.as_pure(nnx.state(model, wrt)))."
       ) from error
-  return result if boxed is None else adapters.boxed_like(boxed, result)
+  return result if boxed is None else tree_lib.boxed_like(boxed, result)
 
 
 def inner_state(opt_state: optax.OptState) -> optax.OptState:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import adapters, lowering, moment_codes, rounding, storage, verdict
+from mpx._src import adapters, lowering, moment_codes, rounding, storage, validation, verdict
 from mpx._src import moment_codes_4bit as codes_4bit
 from mpx._src import tree as tree_lib
 from mpx._src.moment_codes import SIGNS, Sign
@@ -216,67 +217,54 @@ class MomentsFormat:
   # accelerator's step codes in two passes (first_pass).
   block_scaled: bool = False
 
-  @property
-  def field_names(self) -> tuple[str, ...]:
-    return tuple(name for name, _, _ in self.fields)
-
   def kinds(self, inner_state: Any) -> list[MomentKind]:
     """Returns the moment kind of each leaf of ``inner_state`` (a state as the
-    inner rule makes it, or its abstract shapes), in flattening order."""
+    inner rule makes it, or its abstract shapes), in flattening order: a leaf
+    under a field this setting compresses, float32 with at least
+    :data:`MIN_SIZE` elements, in its field's format; every other leaf as it is."""
     leaves = jax.tree.leaves(inner_state)
     if not self.compresses:
       return [UNCOMPRESSED] * len(leaves)
-    owners = _owners(inner_state, self.field_names)
     per_field = {field: (code, sign) for field, code, sign in self.fields}
-    return [
-      self._kind_of(index, owner, leaf, per_field)
-      for index, (owner, leaf) in enumerate(zip(owners, leaves, strict=True))
-    ]
-
-  def _kind_of(
-    self,
-    index: int,
-    owner: tuple[str, str] | None,
-    leaf: Any,
-    per_field: dict[str, tuple[str, Sign]],
-  ) -> MomentKind:
-    """Returns the moment kind of the ``index``-th leaf, under field ``owner``
-    (``per_field``: each field's format and sign)."""
-    if owner is None or not _compressible(leaf):
-      return UNCOMPRESSED
-    state_name, field = owner
-    code, sign = per_field[field]
-    if code == "full":
-      return UNCOMPRESSED
-    adapters.refuse_compressed(state_name, field, code)
-    key = int(rounding.leaf_key(self.seed ^ _SEED_SALT, index))
-    shape = np.shape(leaf)
-    # A row too short for a code's block scales to pay is stored in bfloat16.
-    shortest = MIN_ROW_8BIT if code == "8bit" else codes_4bit.MIN_ROW
-    if code == "bfloat16" or not shape or shape[-1] < shortest:
-      return Bfloat16Compressed(key)
-    if not self.signs_named:
-      sign = adapters.KNOWN_SIGNS.get((state_name, field), sign)
-    if code == "8bit":
-      return EightBitCompressed(key, sign)
-    return FourBitCompressed(key, sign)
-
-  def stored_like(self, inner_like: Any) -> Any:
-    """Returns the abstract stored form of an (abstract) inner state."""
-    flat, treedef = jax.tree.flatten(inner_like)
-    kinds = self.kinds(inner_like)
-    return jax.tree.unflatten(treedef, [k.stored_like(x) for k, x in zip(kinds, flat, strict=True)])
+    kinds: list[MomentKind] = []
+    owners = _owners(inner_state, per_field)
+    for index, (owner, leaf) in enumerate(zip(owners, leaves, strict=True)):
+      code, sign = per_field[owner[1]] if owner is not None else ("full", "signed")
+      if (
+        code == "full"
+        or not tree_lib.is_floating(leaf)
+        or tree_lib.leaf_dtype(leaf) != jnp.float32
+        or int(np.prod(np.shape(leaf))) < MIN_SIZE
+      ):
+        kinds.append(UNCOMPRESSED)
+        continue
+      state_name, field = owner
+      validation.check_field_compressible(state_name, field, code)
+      key = int(rounding.leaf_key(self.seed ^ _SEED_SALT, index))
+      shape = np.shape(leaf)
+      # A row too short for a code's block scales to pay is stored in bfloat16.
+      shortest = MIN_ROW_8BIT if code == "8bit" else codes_4bit.MIN_ROW
+      if not self.signs_named:
+        sign = adapters.KNOWN_SIGNS.get((state_name, field), sign)
+      if code == "bfloat16" or not shape or shape[-1] < shortest:
+        kinds.append(Bfloat16Compressed(key))
+      elif code == "8bit":
+        kinds.append(EightBitCompressed(key, sign))
+      else:
+        kinds.append(FourBitCompressed(key, sign))
+    return kinds
 
   def check_fields_exist(self, inner_state: Any) -> None:
     """Refuses a field named by the user that no state of the inner rule has."""
-    if not self.compresses or self.field_names == DEFAULT_FIELDS:
+    field_names = tuple(name for name, _, _ in self.fields)
+    if not self.compresses or field_names == DEFAULT_FIELDS:
       return
     found = {
       getattr(key, "name", None)
       for path, _ in jax.tree_util.tree_flatten_with_path(inner_state)[0]
       for key in path
     }
-    missing = [field for field in self.field_names if field not in found]
+    missing = [field for field in field_names if field not in found]
     if missing:
       fields = sorted(name for name in found if isinstance(name, str))
       raise ValueError(
@@ -286,33 +274,26 @@ class MomentsFormat:
       )
 
 
-def _compressible(leaf: Any) -> bool:
-  """Tells whether ``leaf`` is float32 with at least :data:`MIN_SIZE` elements."""
-  return (
-    tree_lib.is_floating(leaf)
-    and tree_lib.leaf_dtype(leaf) == jnp.float32
-    and int(np.prod(np.shape(leaf))) >= MIN_SIZE
-  )
-
-
-def _owners(tree: Any, fields: Sequence[str]) -> list[tuple[str, str] | None]:
-  """Returns, per leaf of ``tree``, ``(state class name, field)`` of the
-  innermost NamedTuple field along its path that is one of ``fields``, or None."""
-  out: list[tuple[str, str] | None] = []
-
-  def walk(node: Any, owner: tuple[str, str] | None) -> None:
-    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+def _owners(tree: Any, fields: Collection[str]) -> list[tuple[str, str] | None]:
+  """Returns, per leaf of ``tree`` in flattening order, ``(state class name,
+  field)`` of the innermost NamedTuple field along its path that is one of
+  ``fields``, or None: a walk down the tree, one level at a time, since a
+  key path does not name the classes it passes through."""
+  owners: list[tuple[str, str] | None] = []
+  pending: list[tuple[Any, tuple[str, str] | None]] = [(tree, None)]
+  while pending:
+    node, owner = pending.pop()
+    # Flattened one level: every node below this one is a leaf here.
+    below = functools.partial(operator.is_not, node)
+    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=below)[0]
     if len(children) == 1 and children[0][1] is node:  # a leaf
-      out.append(owner)
-      return
-    for path, child in children:
-      key, inner = path[0], owner
-      if isinstance(key, jax.tree_util.GetAttrKey) and key.name in fields:
-        inner = (type(node).__name__, key.name)
-      walk(child, inner)
-
-  walk(tree, None)
-  return out
+      owners.append(owner)
+      continue
+    for path, child in reversed(children):  # popped first to last
+      key = path[0]
+      named = isinstance(key, jax.tree_util.GetAttrKey) and key.name in fields
+      pending.append((child, (type(node).__name__, key.name) if named else owner))
+  return owners
 
 
 def check_format(moments: Any, fields: Any, seed: int, dtype: Any) -> MomentsFormat:
@@ -434,7 +415,7 @@ def decompressed(stored_inner: Any) -> Any:
     if kind is None:
       return x
     if hasattr(x[0], "replace_boxed"):  # parts in flax linen boxes: the value boxed like them
-      return x[0].replace_boxed(kind.decompress(type(x)(*(adapters.unboxed(p) for p in x))))
+      return x[0].replace_boxed(kind.decompress(type(x)(*(tree_lib.unboxed(p) for p in x))))
     return kind.decompress(x)
 
   return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
@@ -452,28 +433,32 @@ def compressed(
   XLA:CPU (:func:`_written_after`; None: at init, nothing to follow).
 
   ``scales`` (per leaf, as :func:`first_pass` returns them) are what the
-  accelerator's program codes each 8- or 4-bit moment against
-  (:func:`_coded_against`); XLA:CPU's program ignores them and codes in one
-  pass, as it does without them.
+  accelerator's program codes each 8- or 4-bit moment against, its second
+  pass; XLA:CPU's program ignores them and codes in one pass, as it does
+  without them.
   """
   one_pass = functools.partial(_coded, moments_format, new_inner, applied_steps, others)
   if scales is None:
     return one_pass()
-  return lowering.by_platform(
-    cpu=one_pass,
-    accelerator=functools.partial(_coded_against, moments_format, new_inner, applied_steps, scales),
-  )
+  second_pass = functools.partial(_coded, moments_format, new_inner, applied_steps, None, scales)
+  return lowering.by_platform(cpu=one_pass, accelerator=second_pass)
 
 
 def _coded(
-  moments_format: MomentsFormat, new_inner: Any, applied_steps: jax.Array, others: list[Any] | None
+  moments_format: MomentsFormat,
+  new_inner: Any,
+  applied_steps: jax.Array,
+  others: list[Any] | None,
+  scales: list[jax.Array | None] | None = None,
 ) -> Any:
-  """Returns the stored form of ``new_inner``, coded in one pass; eagerly (an
+  """Returns the stored form of ``new_inner``: a leaf with an entry in
+  ``scales`` coded against it, every other leaf in one pass; eagerly (an
   init outside ``jit``) each leaf in one jitted call (``tree.jitted_when_eager``),
   the leaf's key an argument rather than a constant, so that one compile
   serves every leaf of a shape."""
   flat, treedef = jax.tree.flatten(new_inner)
   kinds: list[Any] = moments_format.kinds(new_inner)
+  against = [None] * len(flat) if scales is None else scales
   uncompressed = [v for v, kind in zip(flat, kinds, strict=True) if not kind.compressed]
   step = applied_steps
   if others is not None and len(uncompressed) < len(flat):
@@ -486,9 +471,12 @@ def _coded(
       cpu_needs_one_device=True,
     )
   stored = []
-  for kind, value in zip(kinds, flat, strict=True):
+  for kind, value, scale in zip(kinds, flat, against, strict=True):
     if not kind.compressed:
       stored.append(kind.compress(value, step))
+      continue
+    if scale is not None:
+      stored.append(kind.compress_against(value, step, scale))
       continue
     keyless, key = dataclasses.replace(kind, key=0), jnp.uint32(kind.key)
     stored.append(tree_lib.jitted_when_eager(type(kind).compress, keyless, value, step, key))
@@ -526,8 +514,8 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
   "Compressed moments at the byte floor")."""
 
   def leaf(n: Any, o: Any) -> Any:
-    if not isinstance(n, BLOCK_SCALED_TYPES):
-      return jnp.where(applied, n, o)
+    if not isinstance(n, BLOCK_SCALED_TYPES):  # an array, or a bfloat16 moment's
+      return jax.tree.map(functools.partial(jnp.where, applied), n, o)
     if isinstance(n, tuple(codes_4bit.STORED_TYPES.values())):
       codes = codes_4bit.kept_codes(applied, n.codes, o.codes)
     else:
@@ -538,8 +526,7 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
     scales = jnp.where(applied, n.scales, o.scales)
     return type(n)(codes, jax.lax.add(scales, _zero_per_block(codes, scales)))
 
-  is_moment = lambda x: isinstance(x, BLOCK_SCALED_TYPES)  # noqa: E731
-  return jax.tree.map(leaf, new, old, is_leaf=is_moment)
+  return jax.tree.map(leaf, new, old, is_leaf=is_compressed)
 
 
 def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
@@ -562,7 +549,7 @@ def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 # The accelerator's two-pass coder of 8- and 4-bit moments (docs/design.md,
-# "Compressed moments at the byte floor"): first_pass, then _coded_against.
+# "Compressed moments at the byte floor"): first_pass, then compressed(..., scales).
 
 
 def first_pass(
@@ -649,7 +636,7 @@ def block_maxima(
   """
   flat = jax.tree_util.tree_flatten_with_path(new_inner)[0]
   values = [value for _, value in flat]
-  fields = moments_format.field_names
+  fields = {name for name, _, _ in moments_format.fields}
   scales: list[jax.Array | None] = [None] * len(flat)
   groups: dict[str, list[tuple[int, BlockScaledKind, int]]] = {}
   kinds = moments_format.kinds(new_inner)
@@ -678,57 +665,27 @@ def block_maxima(
     # every element is finite, whatever the max does with a NaN. A byte, not
     # a float32: the reduction writes one a block, scratch until the verdict.
     flag = jnp.logical_not(jnp.isfinite(grad)).astype(jnp.uint8)
-    magnitudes = [kind.magnitude(values[i]) for i, kind, _ in joint]
-    *maxima, flags = _joint_block_max([*magnitudes, flag], small)
+    # One variadic reduction over the blocks of ``small`` (each operand's
+    # largest element per block, at least 0), so that XLA emits one kernel
+    # reading each operand's producers (a moment's old codes, its gradient) once.
+    operands = [*(kind.magnitude(values[i]) for i, kind, _ in joint), flag]
+    *lead, width = operands[0].shape
+    blocked = tuple(x.reshape((*lead, width // small, small)) for x in operands)
+    zeros = tuple(np.zeros((), x.dtype) for x in blocked)
+    *maxima, flags = jax.lax.reduce(blocked, zeros, tree_lib.elementwise_max, (len(lead) + 1,))
     for (i, _, size), block_max in zip(joint, maxima, strict=True):
-      scales[i] = _coarser(block_max, size // small)
+      # A block ``size // small`` times as long: the largest of its small blocks' maxima.
+      factor = size // small
+      if factor > 1:
+        grouped = block_max.reshape((*lead, width // size, factor))
+        block_max = jax.lax.reduce(grouped, np.float32(0), jax.lax.max, (len(lead) + 1,))
+      scales[i] = block_max
     finite.append(jax.lax.eq(jnp.max(flags), np.uint8(0)))
   all_finite = jnp.asarray(True)
   if finite:
     # Behind a barrier, as verdict._all stacks per-leaf flags: one kernel tests them.
     all_finite = jax.lax.optimization_barrier(jnp.stack(finite)).all()
   return scales, all_finite, set(groups)
-
-
-def _joint_block_max(operands: list[jax.Array], size: int) -> list[jax.Array]:
-  """Returns each operand's largest element (at least 0) per block of ``size``
-  along its last axis, which the blocks tile: one variadic reduction, so
-  that XLA emits one kernel reading each operand's producers (a moment's old
-  codes and its gradient) once."""
-  shape = operands[0].shape
-  blocked = [x.reshape((*shape[:-1], shape[-1] // size, size)) for x in operands]
-  zeros = tuple(np.zeros((), x.dtype) for x in blocked)
-  return list(jax.lax.reduce(tuple(blocked), zeros, tree_lib.elementwise_max, (len(shape),)))
-
-
-def _coarser(block_max: jax.Array, factor: int) -> jax.Array:
-  """Returns the maxima of blocks ``factor`` times as long, from those of the
-  shorter blocks they are made of (a small reduction over the maxima)."""
-  if factor == 1:
-    return block_max
-  *lead, blocks = block_max.shape
-  grouped = block_max.reshape((*lead, blocks // factor, factor))
-  return jax.lax.reduce(grouped, np.float32(0), jax.lax.max, (len(lead) + 1,))
-
-
-def _coded_against(
-  moments_format: MomentsFormat,
-  new_inner: Any,
-  applied_steps: jax.Array,
-  scales: list[jax.Array | None],
-) -> Any:
-  """Returns the stored form of ``new_inner``, each block-scaled moment coded
-  against its given ``scales`` (:func:`first_pass`'s), the other leaves as
-  :func:`_coded` stores them."""
-  flat, treedef = jax.tree.flatten(new_inner)
-  kinds = moments_format.kinds(new_inner)
-  stored = [
-    k.compress_against(v, applied_steps, s)
-    if isinstance(k, BlockScaledKind) and s is not None
-    else k.compress(v, applied_steps)
-    for k, v, s in zip(kinds, flat, scales, strict=True)
-  ]
-  return jax.tree.unflatten(treedef, stored)
 
 
 def stored_scales(stored_inner: Any) -> list[jax.Array | None]:

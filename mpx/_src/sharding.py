@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mpx._src import adapters, moment_codes, variables
+from mpx._src import moment_codes, variables
 from mpx._src import moment_codes_4bit as codes_4bit
 from mpx._src import tree as tree_lib
 from mpx._src.states import (
@@ -144,11 +144,11 @@ def zero1_shardings(
   """
   if axis is not None and axis not in mesh.axis_names:
     raise ValueError(f"zero1_shardings: axis {axis!r} is not an axis of the mesh {mesh.shape}.")
-  if adapters.has_linen_boxes(params):
+  if tree_lib.has_linen_boxes(params):
     # flax linen boxes: each boxed param contributes its names as its spec, and
     # the shardings come back in the boxes of the state tx.init makes of them.
     shardings = zero1_shardings(tx, _with_box_specs(params, mesh), mesh, axis)
-    return adapters.boxed_like(jax.eval_shape(tx.init, params), shardings)
+    return tree_lib.boxed_like(jax.eval_shape(tx.init, params), shardings)
   replicated = NamedSharding(mesh, PartitionSpec())
   abstract_state = jax.eval_shape(tx.init, params)
 
@@ -211,9 +211,9 @@ def _with_box_specs(params: Any, mesh: Mesh) -> Any:
   carries a sharding on a mesh of ``mesh``'s shape."""
 
   def spec_of(node: Any) -> Any:
-    if not adapters.is_linen_box(node) or not hasattr(node, "names"):
+    if not tree_lib.is_linen_box(node) or not hasattr(node, "names"):
       return node
-    value = adapters.unboxed(node)
+    value = tree_lib.unboxed(node)
     if _param_spec(value, mesh, np.ndim(value)) != (None,) * np.ndim(value):
       return value
     spec = tuple(node.names)
@@ -225,7 +225,7 @@ def _with_box_specs(params: Any, mesh: Mesh) -> Any:
     sharding = NamedSharding(mesh, _canonical(names, mesh))
     return jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)
 
-  return jax.tree.map(spec_of, params, is_leaf=adapters.is_linen_box)
+  return jax.tree.map(spec_of, params, is_leaf=tree_lib.is_linen_box)
 
 
 def _fitting(entries: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> tuple[Any, ...]:

@@ -1,8 +1,9 @@
-"""Pytree helpers: leaf types, holes, selection, and casts of floating leaves only."""
+"""Pytree helpers: leaf types, holes, linen boxes, selection, and casts of floating leaves only."""
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -259,3 +260,71 @@ def jitted_when_eager(fn: Callable[..., Any], static: Any, *arrays: Any) -> Any:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _jitted(fn: Callable[..., Any], static: Any, *arrays: jax.Array) -> Any:
   return fn(static, *arrays)
+
+
+# optax.lookahead: the gradients mirror the fast weights of LookaheadParams.
+
+
+def gradient_params(params: Any) -> Any:
+  """Returns the part of ``params`` that gradients mirror: the fast weights of
+  ``optax.lookahead``'s ``LookaheadParams``, else ``params``."""
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
+# flax.linen's boxes (nn.Partitioned) around params, gradients and state leaves.
+
+
+def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps a ``mixed_precision`` ``update`` to take params, gradients and state
+  in flax linen boxes (``nn.Partitioned``, e.g. a linen ``TrainState`` with
+  ``nn.with_partitioning``): it runs on the unboxed trees, and returns the
+  updates boxed like the params and the state boxed like the state it got."""
+
+  @functools.wraps(update_fn)
+  def update(updates: Any, state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    # has_linen_boxes inline: every step of every mode passes here.
+    meta = sys.modules.get("flax.core.meta")  # flax not imported: no box to see
+    if meta is None or params is None:
+      return update_fn(updates, state, params, *args, **kwargs)
+    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
+      return update_fn(updates, state, params, *args, **kwargs)
+    new_updates, new_state, *rest = update_fn(
+      without_linen_boxes(updates),
+      without_linen_boxes(state),
+      without_linen_boxes(params),
+      *args,
+      **kwargs,
+    )
+    return boxed_like(params, new_updates), boxed_like(state, new_state), *rest
+
+  return update
+
+
+def is_linen_box(x: Any) -> bool:
+  """Tells whether ``x`` is a flax linen box (an ``AxisMetadata``); never
+  without flax imported, where no box can exist."""
+  meta = sys.modules.get("flax.core.meta")
+  return meta is not None and isinstance(x, meta.AxisMetadata)
+
+
+def has_linen_boxes(tree: Any) -> bool:
+  """Tells whether ``tree`` holds a flax linen box."""
+  return any(is_linen_box(x) for x in jax.tree.leaves(tree, is_leaf=is_linen_box))
+
+
+def without_linen_boxes(tree: Any) -> Any:
+  """Returns ``tree`` with every flax linen box replaced by what it holds."""
+  return jax.tree.map(lambda x: unboxed(x) if is_linen_box(x) else x, tree, is_leaf=is_linen_box)
+
+
+def boxed_like(boxed: Any, tree: Any) -> Any:
+  """Returns the leaves of ``tree`` (an unboxed tree of ``boxed``'s shape) in
+  ``boxed``'s boxes."""
+  return jax.tree_util.tree_unflatten(jax.tree.structure(boxed), jax.tree.leaves(tree))
+
+
+def unboxed(box: Any) -> Any:
+  """Returns what a linen box holds, with no sharding constraint (``nn.Partitioned``
+  applies one under a mesh)."""
+  return box.value if hasattr(box, "value") else box.unbox()

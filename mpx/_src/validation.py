@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import adapters, state_search
+from mpx._src import state_search
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
 from mpx._src.tree import path_text
@@ -312,7 +312,7 @@ def _wrong_state_type(name: str, state: Any, state_type: type) -> TypeError:
 
 
 def check_gradients(name: str, grads: Any, params: Any) -> bool:
-  """Checks that ``grads`` have the structure of ``adapters.gradient_params(params)``,
+  """Checks that ``grads`` have the structure of ``tree.gradient_params(params)``,
   each floating param a floating gradient of its shape (a broadcastable one
   would broadcast silently) or of it behind per-example axes, varying over no
   mesh axis its param does not (per-device gradients of replicated params
@@ -326,7 +326,7 @@ def check_gradients(name: str, grads: Any, params: Any) -> bool:
     )
 
   per_example = False
-  for path, grad, param in zip_leaves(grads, adapters.gradient_params(params), mismatch):
+  for path, grad, param in zip_leaves(grads, tree_lib.gradient_params(params), mismatch):
     if param is None and grad is not None:
       raise ValueError(
         f"{name}: gradient {path_text(path)!r} is {describe(grad)} but its param is None: "
@@ -360,3 +360,21 @@ def check_gradients(name: str, grads: Any, params: Any) -> bool:
       f"shape {list(shape)}."
     )
   return per_example
+
+
+# optax's centered RMSprop (scale_by_stddev) divides by sqrt(nu - mu**2 + eps).
+# Where the gradient barely varies, nu - mu**2 is far below nu and mu**2, and
+# any code's rounding of either (bfloat16's too) makes it negative: a NaN update.
+_NEEDS_NU_ABOVE_MU_SQUARED = {"ScaleByRStdDevState": ("mu", "nu")}
+
+
+def check_field_compressible(state_name: str, field: str, code: str) -> None:
+  """Refuses to store ``field`` of a state whose rule needs it exact in ``code``."""
+  if field in _NEEDS_NU_ABOVE_MU_SQUARED.get(state_name, ()):
+    raise ValueError(
+      f"mixed_precision: {state_name}.{field} (optax.rmsprop(centered=True)) cannot be "
+      f"stored in {code}: the rule divides by sqrt(nu - mu**2 + eps), and where a "
+      "gradient barely varies the rounding of nu or mu makes nu - mu**2 negative (a NaN "
+      "update). Keep its moments in float32 (moments='full'), or compress only its "
+      "momentum (moments={'trace': '8bit'})."
+    )

@@ -13,7 +13,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
-from mpx._src import adapters, compat, moments
+from mpx._src import compat, moments
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, MixedPrecisionStochasticState
 
@@ -38,7 +38,7 @@ def fit_variables(state: Any, compressed_as: str | None = None, linen_boxes: boo
   ``AxisMetadata`` box with ``names`` (linen's ``nn.Partitioned``) is fitted
   likewise: a compressed moment becomes a NamedTuple of boxes, a scalar
   rounding key is unboxed (``update`` must then run through
-  ``adapters.through_linen_boxes``). A state made of optax's params placeholder
+  ``tree.through_linen_boxes``). A state made of optax's params placeholder
   (``tree_map_params``) gets :class:`NotParams` for its rounding keys, and is
   refused if its moments are compressed (``compressed_as``: the ``moments=``
   setting as written; None where the moments are kept as the rule made them).
@@ -161,9 +161,9 @@ def _fit_linen_boxes(state: Any) -> Any:
   (:func:`_rebox`)."""
 
   def fit(node: Any) -> Any:
-    if not adapters.is_linen_box(node) or not hasattr(node, "names"):
+    if not tree_lib.is_linen_box(node) or not hasattr(node, "names"):
       return node
-    value: Any = adapters.unboxed(node)
+    value: Any = tree_lib.unboxed(node)
     if moments.is_compressed(value):
       return type(value)(
         *(_rebox(node, part, shape) for part, shape in zip(value, _mirrored(value), strict=True))
@@ -174,7 +174,7 @@ def _fit_linen_boxes(state: Any) -> Any:
       return value  # a scalar rounding key under a matrix's names: unboxed, replicated
     return _rebox(node, value, None)
 
-  return jax.tree.map(fit, state, is_leaf=adapters.is_linen_box)
+  return jax.tree.map(fit, state, is_leaf=tree_lib.is_linen_box)
 
 
 def _rebox(box: Any, value: Any, param_shape: tuple[int, ...] | None) -> Any:
