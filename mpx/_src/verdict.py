@@ -285,12 +285,19 @@ def _single_cpu(on_device: list[jax.Array]) -> jax.Array:
   finite = _all([_folded_finite(group) for group in _groups(narrow, None)])
   if not wide:
     return finite
-  # Taken only when some sum is inf or NaN: an overflow, or a non-finite element.
+  # The sums of the leaves prove them finite unless one overflows: then (taken
+  # only when some sum is inf or NaN) the sums of ``x - x``, NaN exactly where
+  # an element is not finite, decide.
   return finite & jax.lax.cond(
-    _all_finite_values(_sums(wide, lambda x: x, _SMALL)),
-    lambda: jnp.asarray(True),
-    lambda: _all_finite_values(_sums(wide, lambda x: jax.lax.sub(x, x), None)),
+    _sums_finite(wide, jnp.asarray, _SMALL),
+    functools.partial(jnp.asarray, True),
+    functools.partial(_sums_finite, wide, _minus_itself, None),
   )
+
+
+def _minus_itself(x: jax.Array) -> jax.Array:
+  """Returns ``x - x``: zero where ``x`` is finite, NaN elsewhere (lax: no nested jit)."""
+  return jax.lax.sub(x, x)
 
 
 def _all(flags: list[jax.Array]) -> jax.Array:
@@ -303,19 +310,6 @@ def _all(flags: list[jax.Array]) -> jax.Array:
   if len(flags) == 1:
     return flags[0]
   return jax.lax.optimization_barrier(jnp.stack(flags)).all()
-
-
-def _all_finite_values(values: list[jax.Array]) -> jax.Array:
-  """Returns whether every scalar is finite: one ``isfinite`` per dtype over
-  the values, stacked behind a barrier."""
-  if len(values) <= 1:
-    return _all([jnp.isfinite(v) for v in values])
-  by_dtype: dict[Any, list[jax.Array]] = {}
-  for value in values:
-    by_dtype.setdefault(jnp.dtype(value.dtype), []).append(value)
-  return _all(
-    [jnp.isfinite(jax.lax.optimization_barrier(jnp.stack(v))).all() for v in by_dtype.values()]
-  )
 
 
 def _groups(leaves: list[jax.Array], below: int | None) -> list[list[jax.Array]]:
@@ -336,11 +330,13 @@ def _groups(leaves: list[jax.Array], below: int | None) -> list[list[jax.Array]]
   return groups
 
 
-def _sums(
+def _sums_finite(
   leaves: list[jax.Array], term: Callable[[jax.Array], jax.Array], below: int | None
-) -> list[jax.Array]:
-  """Returns per group the sum of ``term(x)`` added elementwise over the
-  group's leaves, in float32 or wider; a non-finite term makes it non-finite."""
+) -> jax.Array:
+  """Returns whether every group's sum of ``term(x)``, added elementwise over
+  the group's leaves in float32 or wider, is finite (a non-finite term makes
+  it non-finite): one ``isfinite`` per dtype over the sums, stacked behind a
+  barrier."""
   sums = []
   for group in _groups(leaves, below):
     dtype = jnp.promote_types(group[0].dtype, jnp.float32)
@@ -348,7 +344,14 @@ def _sums(
     for x in group[1:]:
       total = jax.lax.add(total, term(x).astype(dtype))  # lax: no nested jit per leaf
     sums.append(jnp.sum(total))
-  return sums
+  if len(sums) <= 1:
+    return _all([jnp.isfinite(v) for v in sums])
+  by_dtype: dict[Any, list[jax.Array]] = {}
+  for value in sums:
+    by_dtype.setdefault(jnp.dtype(value.dtype), []).append(value)
+  return _all(
+    [jnp.isfinite(jax.lax.optimization_barrier(jnp.stack(v))).all() for v in by_dtype.values()]
+  )
 
 
 def _folded_finite(group: list[jax.Array]) -> jax.Array:
