@@ -44,8 +44,8 @@ def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
 def remainder(master: jax.Array) -> jax.Array:
   """Returns ``split(master)[1]`` without making the bfloat16 param: the bits
   of ``master`` less those of its rounding (ties away), held in float32."""
-  # (The rounding's bits through the float32 that holds it: the form the
-  # lowered programs are checked against, bit for bit.)
+  # The rounding is made as the float32 that holds it (as the param update
+  # makes it) and read back as bits.
   low = jax.lax.sub(
     to_bits(master),
     to_bits(
@@ -170,9 +170,9 @@ def random_bits(key: jax.Array, count: jax.Array, shape: tuple[int, ...]) -> jax
     h = jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, np.uint32(13)))
     h = jax.lax.mul(h, np.uint32(0xC2B2AE35))
     h = jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, np.uint32(16)))
-    if hashed == "count":
+    if hashed == "count":  # the next round hashes the key with the count's hash
       h = jax.lax.bitwise_xor(key.astype(U32), h)
-    elif hashed == "key":
+    elif hashed == "key":  # the last, each element's index with the key's hash
       h = jax.lax.broadcast(h, shape)
       h = jax.lax.add(jax.lax.mul(index, np.uint32(0x9E3779B9)), h)
   return h
