@@ -48,8 +48,10 @@ def _forms() -> dict[str, tuple[Callable[..., Any], bool]]:
       lambda x: tree.round_as(x * 3, jnp.float16) - x,
       True,
     ),
-    "rounding.correction(round_to_24bit(x*3))": (
-      lambda x: rounding.correction(rounding.round_to_24bit(x * 3)),
+    "the 24-bit correction of round_to_24bit(x*3)": (
+      lambda x: jax.lax.shift_right_arithmetic(
+        rounding.remainder(rounding.round_to_24bit(x * 3)), np.int16(8)
+      ).astype(jnp.int8),
       True,
     ),
   }

@@ -37,8 +37,8 @@ class MixedPrecisionRemainderState(NamedTuple):
 
   Attributes:
     master_remainders: the parameter tree with, at every bfloat16 leaf, the
-      int16 that completes it to its float32 master (``join(param,
-      remainder)`` in :mod:`mpx._src.rounding`), and ``optax.MaskedNode()``
+      int16 that completes it to its float32 master (``Remainder.view`` in
+      :mod:`mpx._src.storage`), and ``optax.MaskedNode()``
       at every other leaf. Use :func:`mpx.master_params` for the masters.
     applied_steps: as in :class:`MixedPrecisionState`.
     nonfinite_steps: as in :class:`MixedPrecisionState`.
@@ -76,8 +76,8 @@ class MixedPrecision24bitState(NamedTuple):
   Attributes:
     master_corrections: the parameter tree with, at every bfloat16 leaf, the
       int8 that completes it to its 24-bit master (a float32 with 15 bits of
-      mantissa: ``join_24bit(param, correction)`` in
-      :mod:`mpx._src.rounding`), and ``optax.MaskedNode()`` at every other
+      mantissa: ``Master24bit.view`` in
+      :mod:`mpx._src.storage`), and ``optax.MaskedNode()`` at every other
       leaf. Use :func:`mpx.master_params` for the masters.
     applied_steps: as in :class:`MixedPrecisionState`.
     nonfinite_steps: as in :class:`MixedPrecisionState`.

@@ -27,37 +27,8 @@ from mpx._src.states import (
 # full-precision source under mpx.init_from_full_precision.
 Sources = Callable[[Any], Any]
 _FLOAT32 = np.dtype(np.float32)
-
-
-def _add(master: jax.Array, update: Any, dtype: Any) -> jax.Array:
-  """Returns ``(master + update)`` in ``dtype``; lax where the dtypes agree, since
-  ``+`` on tracers traces as a nested jit at every leaf."""
-  if getattr(update, "dtype", None) == master.dtype == dtype:
-    return jax.lax.add(master, update)
-  return (master + update).astype(dtype)
-
-
-def _delta(target: jax.Array, param: jax.Array, dtype: Any, applied: jax.Array) -> jax.Array:
-  """Returns ``target - param`` in ``dtype``, zero on a skipped step: the update with
-  which ``optax.apply_updates`` lands ``param`` on ``target``. Computed after
-  the cond, it fuses into ``optax.apply_updates``."""
-  # No op bound where a dtype already is: every op traced per leaf is paid
-  # for again in compile time.
-  target, param = (x if x.dtype == dtype else x.astype(dtype) for x in (target, param))
-  delta = jax.lax.sub(target, param)
-  return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
-
-
-def _land(master: jax.Array, param: jax.Array) -> jax.Array:
-  """Returns the canonical ``master``, moved to where ``optax.apply_updates`` lands
-  ``param`` if that is not its ties-away rounding (a target more than 2**16
-  times smaller than the param: the float32 update itself rounds), so the
-  param is always exactly the rounding of its master, as a remainder needs."""
-  master = rounding.canonical(master)
-  target = rounding.round_ties_away_f32(master)
-  landed = rounding.landing_f32(param, target)
-  exact = rounding.same_bits(landed, target)
-  return jax.lax.select(exact, master, landed)
+_INT16 = np.dtype(np.int16)
+_INT8 = np.dtype(np.int8)
 
 
 class Committed(NamedTuple):
@@ -65,7 +36,16 @@ class Committed(NamedTuple):
 
   stored: Any  # what the state stores for the leaf after the step
   handoff: Any  # what param_update reads after the skip (by kind: None,
-  # the new master, the new param, or the inner rule's update)
+  # the new master as a Landed, the new param, or the inner rule's update)
+
+
+class Landed(NamedTuple):
+  """What ``Remainder.commit`` hands ``param_update``: the new master, and
+  (``Master24bit`` only; else None) whether the update was too small for the
+  leaf's largest masters (see ``Master24bit``)."""
+
+  master: jax.Array
+  stalled: jax.Array | None  # bool scalar
 
 
 class StorageKind(Protocol):
@@ -149,7 +129,11 @@ class Copy:
 
   def commit(self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any) -> Committed:
     del stored, param, step
-    return Committed(_add(master, update, self.master_dtype), None)  # the new master is state
+    # The new master is state. lax where the dtypes agree, since ``+`` on
+    # tracers traces as a nested jit at every leaf.
+    if getattr(update, "dtype", None) == master.dtype == self.master_dtype:
+      return Committed(jax.lax.add(master, update), None)
+    return Committed((master + update).astype(self.master_dtype), None)
 
   def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
     """Returns the param ``master`` rounds to, in the param's dtype."""
@@ -159,7 +143,13 @@ class Copy:
     del handoff
     param = jnp.asarray(param)
     target = tree_lib.round_as(tree_lib.saturate(stored, param.dtype), param.dtype)
-    return _delta(target, param, self.master_dtype, applied)
+    # No op bound where a dtype already is: every op traced per leaf is paid
+    # for again in compile time.
+    dtype = self.master_dtype
+    target, param = (x if x.dtype == dtype else x.astype(dtype) for x in (target, param))
+    # Computed after the cond, the update fuses into optax.apply_updates.
+    delta = jax.lax.sub(target, param)
+    return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:
     """Keeps each master whose rounding is still the param; restarts the
@@ -173,8 +163,7 @@ class Copy:
 class CopyTiesAway(Copy):
   """A float32 copy under a bfloat16 param, which is its rounding to nearest
   with ties away from zero (what a 16-bit remainder can encode), saturating.
-  The master is moved to where the param lands when ``optax.apply_updates``
-  cannot land it on that rounding (see ``_land``)."""
+  It commits and lands as ``Remainder`` does, without storing the remainder."""
 
   master_dtype: Any = _FLOAT32
 
@@ -183,28 +172,30 @@ class CopyTiesAway(Copy):
     return rounding.canonical(jnp.asarray(sources(param)).astype(jnp.float32))
 
   def commit(self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any) -> Committed:
-    del stored, step
-    return Committed(_land(_add(master, update, jnp.float32), param), None)
+    """Returns the new master ``Remainder.commit`` lands (the remainder it
+    computes is unread, so jit drops it) as what the state stores."""
+    del stored
+    return Committed(Remainder().commit(master, update, None, param, step).handoff.master, None)
 
   def rounded(self, master: jax.Array, param: jax.Array) -> jax.Array:
     del param
     return rounding.round_ties_away(rounding.canonical(master))
 
   def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
-    """Lands ``param`` on ``rounded`` computed in float32: the step's stored
-    master is canonical, and the float32 form spares the update a round trip
-    through bfloat16."""
+    """Lands ``param`` on ``rounded`` as ``Remainder.param_update`` does: the
+    step's stored master is the one ``Remainder.commit`` hands it."""
     del handoff
-    target = rounding.round_ties_away_f32(stored)
-    return _delta(target, jnp.asarray(param), jnp.float32, applied)
+    return Remainder().param_update(None, Landed(stored, None), param, applied)
 
 
 @dataclasses.dataclass(frozen=True)
 class Remainder:
   """The low 16 bits of a float32 master under a bfloat16 param (an int16):
-  ``join(param, remainder)`` is the master ``CopyTiesAway`` would hold."""
+  ``view`` joins them to the param into the master ``CopyTiesAway`` would
+  hold. ``Master24bit`` stores the top 8 of them instead (an int8)."""
 
   master_dtype: Any = _FLOAT32
+  stored_dtype: Any = _INT16  # int8: Master24bit's
 
   def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
     del index, seed
@@ -212,29 +203,188 @@ class Remainder:
     return rounding.split(master)[1]
 
   def stored_like(self, param: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(param), jnp.int16)
+    return jax.ShapeDtypeStruct(np.shape(param), self.stored_dtype)
 
   def view(self, stored: jax.Array, param: Any) -> jax.Array:
-    return rounding.join(jnp.asarray(param), stored)
+    """Returns the float32 master ``(param_bits << 16) + low``: ``low`` the
+    stored int16 remainder, or the int8 correction shifted left by 8. Exact
+    for every pair ``commit`` stores; a zero param under a negative ``low``
+    (``rounding.wraps``, which it computes inline) joins as zero."""
+    param = jnp.asarray(param)
+    magnitude = jax.lax.bitwise_and(
+      jax.lax.bitcast_convert_type(param, jnp.uint16).astype(rounding.U32), np.uint32(0x7FFF)
+    )
+    wraps = jax.lax.bitwise_and(
+      jax.lax.eq(magnitude, np.uint32(0)), jax.lax.lt(stored, jnp.zeros_like(stored))
+    )
+    low = jax.lax.select(wraps, jnp.zeros_like(stored), stored)
+    if self.stored_dtype == _INT8:  # the correction: the remainder's top 8 bits
+      low = jax.lax.shift_left(low.astype(jnp.int32), np.int32(8))
+    high = jax.lax.shift_left(
+      jax.lax.bitcast_convert_type(param, jnp.uint16).astype(rounding.U32), np.uint32(16)
+    )
+    return rounding.from_bits(jax.lax.add(high, low.astype(jnp.int32).astype(rounding.U32)))
 
   def commit(self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any) -> Committed:
-    del stored, step
-    master = _land(_add(master, update, jnp.float32), param)
-    # The new master leaves the cond: the param after it is its rounding.
-    return Committed(rounding.remainder(master), master)
+    """Returns the new master's remainder (or correction) to store, and the
+    new master (a ``Landed``) for ``param_update``.
 
-  def param_update(
-    self, stored: Any, handoff: jax.Array, param: Any, applied: jax.Array
-  ) -> jax.Array:
+    The sum ``master + update`` (a 24-bit master: rounded to 24 bits) is
+    clipped to ``rounding.canonical``'s range and, where ``optax.apply_updates``
+    cannot land the param on its ties-away rounding (a target more than 2**16
+    times smaller than the param: the float32 update itself rounds), moved to
+    where the param lands: the param is always exactly the rounding of its
+    master, as a remainder needs. A 24-bit master's ``Landed`` also says
+    whether the leaf's update stalled (see ``Master24bit``).
+    """
+    del stored, step
+    # lax where the dtypes agree, since ``+`` on tracers traces as a nested
+    # jit at every leaf.
+    if getattr(update, "dtype", None) == master.dtype == jnp.float32:
+      new = jax.lax.add(master, update)
+    else:
+      new = (master + update).astype(jnp.float32)
+    is_24bit = self.stored_dtype == _INT8
+    if is_24bit:
+      new = rounding.round_to_24bit(new)
+    new = jax.lax.clamp(-rounding.LIMIT, new, rounding.LIMIT)  # rounding.canonical
+    # Its ties-away rounding, held in float32 (half an ulp added, low bits cleared).
+    rounded = rounding.from_bits(
+      jax.lax.bitwise_and(
+        jax.lax.add(rounding.to_bits(new), np.uint32(0x8000)), np.uint32(0xFFFF0000)
+      )
+    )
+    # Where apply_updates lands the param (rounding.landing_f32).
+    param32 = jax.lax.convert_element_type(param, jnp.float32)
+    landed = tree_lib.round_as(jax.lax.add(param32, jax.lax.sub(rounded, param32)), jnp.bfloat16)
+    exact = jax.lax.eq(rounding.to_bits(landed), rounding.to_bits(rounded))
+    new = jax.lax.select(exact, new, landed)
+    stalled = None
+    if is_24bit:
+      # Sampled: counting every element cost 4 B/param more per step on the
+      # H100 compile (XLA:GPU does not fuse a reduction of AdamW's update into
+      # the step at every size, and a fused one of the master copies params).
+      # One variadic reduction of both samples, which XLA:GPU fuses with the
+      # strided slices.
+      samples = tuple(
+        jnp.abs(jax.lax.slice(x, (0,) * x.ndim, x.shape, stall_strides(x.shape))).astype(
+          jnp.float32
+        )
+        for x in (update, master)
+      )
+      largest_update, largest_master = jax.lax.reduce(
+        samples,
+        (np.float32(0), np.float32(0)),
+        tree_lib.elementwise_max,
+        tuple(range(samples[0].ndim)),
+      )
+      spacing = rounding.spacing_24bit(largest_master)
+      stalled = jnp.logical_and(largest_update > 0, largest_update < spacing)
+    low = rounding.remainder(new)
+    if is_24bit:
+      low = jax.lax.shift_right_arithmetic(low, np.int16(8)).astype(jnp.int8)
+    # The new master leaves the cond: the param after it is its rounding.
+    return Committed(low, Landed(new, stalled))
+
+  def param_update(self, stored: Any, handoff: Landed, param: Any, applied: jax.Array) -> jax.Array:
+    """Returns the update that lands ``param`` on the ties-away rounding of
+    ``handoff``'s master, computed in float32 (sparing the update a round trip
+    through bfloat16), zero where not ``applied``. Computed after the cond, it
+    fuses into ``optax.apply_updates``."""
     del stored
-    target = rounding.round_ties_away_f32(handoff)
-    return _delta(target, jnp.asarray(param), jnp.float32, applied)
+    # The ties-away rounding, held in float32 (half an ulp added, low bits cleared).
+    target = rounding.from_bits(
+      jax.lax.bitwise_and(
+        jax.lax.add(rounding.to_bits(handoff.master), np.uint32(0x8000)), np.uint32(0xFFFF0000)
+      )
+    )
+    delta = jax.lax.sub(target, jnp.asarray(param).astype(jnp.float32))
+    return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
 
   def sync(self, stored: jax.Array, param: Any) -> jax.Array:
     """Restarts the remainders an edit broke: a param set to zero under a
-    negative remainder (see ``join``); any other edit the master follows."""
+    negative remainder (see ``view``); any other edit the master follows."""
     wraps = rounding.wraps(jnp.asarray(param), stored)
     return jnp.where(wraps, jnp.zeros_like(stored), stored)
+
+
+@dataclasses.dataclass(frozen=True)
+class Master24bit(Remainder):
+  """The top 8 bits of a bfloat16 param's remainder (an int8): a 24-bit master
+  (float32 with its low 8 bits zero, 15 bits of mantissa), to which each step's
+  float32 result is rounded to nearest, ties away. Its view, commit, param
+  update and ``sync`` are the remainder's (a zero param under a negative
+  correction restarts at 0).
+
+  An update smaller than half the spacing of 24-bit values is lost, so
+  ``commit`` also reports whether the leaf's largest update falls below the
+  spacing at its largest master: a learning rate too small for the largest
+  weights (the state's ``stalled_steps``).
+  """
+
+  stored_dtype: Any = _INT8
+
+  def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
+    del index, seed
+    master = rounding.canonical(jnp.asarray(sources(param)).astype(jnp.float32))
+    return rounding.nearest_correction(master)
+
+
+# The most elements of a leaf the stall check of ``Master24bit`` reads.
+STALL_SAMPLE = 4096
+
+
+def stall_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """Returns the strides, one a dimension, of the stall check's sample of a
+  leaf of ``shape``: spread evenly over every dimension, aiming at a 256th of
+  the leaf's elements, at least 256 (a smaller leaf whole) and at most
+  ``STALL_SAMPLE``. Where XLA:GPU writes the sample out (the update's, the
+  master's), it costs at most 2 x 4 bytes / 256 = 0.03 bytes a param.
+
+  The counts along the dimensions grow in turn by the smallest factor that
+  keeps each count a divisor of its dimension: then a dimension split
+  evenly over the devices (ZeRO-1 on a power-of-two mesh axis) holds its
+  share of the sample on each device, and the check moves no data between
+  them. A leaf whose dimensions have no small factors (a prime length) is
+  sampled with uneven strides instead, where that alone reaches a quarter of
+  the aim.
+
+  Example:
+    >>> stall_strides((1024, 512))  # 64 rows x 32 columns: 2048, a 256th
+    (16, 16)
+    >>> stall_strides((100,))  # under 256 elements: the whole leaf
+    (1,)
+  """
+  target = min(math.prod(shape), STALL_SAMPLE, max(256, math.prod(shape) // 256))
+  counts = [1] * len(shape)
+  # First by the smallest factor of what each dimension has left; then, where
+  # that fell short of a quarter of the aim, by doubling (uneven strides).
+  # A sample of strides n // count reads ceil(n / (n // count)) elements
+  # along a dimension of n.
+  for by_factors in (True, False):
+    sampled = math.prod(-(-n // (n // c)) for n, c in zip(shape, counts, strict=True))
+    grown = by_factors or sampled < target // 4
+    while grown:
+      grown = False
+      for d, n in enumerate(shape):
+        left = n // counts[d]
+        factor = 2
+        if by_factors:  # the smallest factor above 1 (`left` itself if prime)
+          factor = next((f for f in range(2, math.isqrt(left) + 1) if left % f == 0), left)
+        larger = [*counts[:d], counts[d] * factor, *counts[d + 1 :]]
+        sampled = math.prod(-(-n // (n // c)) for n, c in zip(shape, larger, strict=True))
+        if counts[d] < larger[d] <= n and sampled <= target:
+          counts[d], grown = larger[d], True
+  return tuple(n // c for n, c in zip(shape, counts, strict=True))
+
+
+def any_stalled(handoffs: list[Any]) -> jax.Array | None:
+  """Returns whether any leaf's update stalled this step (a ``Landed``
+  handoff says), or None where no leaf's kind checks."""
+  flags = [h.stalled for h in handoffs if isinstance(h, Landed) and h.stalled is not None]
+  if not flags:
+    return None
+  return functools.reduce(jnp.logical_or, flags, jnp.zeros((), bool))
 
 
 def initialized(kind: Any, param: Any, sources: Sources, index: int, seed: int) -> Any:
@@ -254,132 +404,6 @@ def viewed(kind: Any, stored: Any, param: Any) -> Any:
   """Returns ``kind.view(stored, param)``, the leaf's float32 master; eagerly
   (``init``, ``mpx.master_params``) in one jitted call (``tree.jitted_when_eager``)."""
   return tree_lib.jitted_when_eager(type(kind).view, kind, stored, param)
-
-
-# The most elements of a leaf the stall check of ``Master24bit`` reads.
-STALL_SAMPLE = 4096
-
-
-def stall_sample(size: int) -> int:
-  """Returns how many of a leaf's ``size`` elements the stall check aims to
-  read: a 256th of them, at least 256 (a smaller leaf whole) and at most
-  ``STALL_SAMPLE``. Where XLA:GPU writes the sample out (the update's, the
-  master's), it costs at most 2 x 4 bytes / 256 = 0.03 bytes a param."""
-  return min(size, STALL_SAMPLE, max(256, size // 256))
-
-
-def stall_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-  """Returns the strides, one a dimension, of the stall check's sample of a
-  leaf of ``shape``: spread evenly over every dimension, at most
-  ``stall_sample`` elements.
-
-  The counts along the dimensions grow in turn by the smallest factor that
-  keeps each count a divisor of its dimension: then a dimension split
-  evenly over the devices (ZeRO-1 on a power-of-two mesh axis) holds its
-  share of the sample on each device, and the check moves no data between
-  them. A leaf whose dimensions have no small factors (a prime length) is
-  sampled with uneven strides instead, where that alone reaches a quarter of
-  the aim.
-
-  Example:
-    >>> stall_strides((1024, 512))  # 64 rows x 32 columns: 2048, a 256th
-    (16, 16)
-    >>> stall_strides((100,))  # under 256 elements: the whole leaf
-    (1,)
-  """
-  target = stall_sample(math.prod(shape))
-  counts = [1] * len(shape)
-  # First by the smallest factor of what each dimension has left; then, where
-  # that fell short of a quarter of the aim, by doubling (uneven strides).
-  for by_factors in (True, False):
-    grown = by_factors or _sampled(shape, counts) < target // 4
-    while grown:
-      grown = False
-      for d, n in enumerate(shape):
-        left = n // counts[d]
-        factor = 2
-        if by_factors:  # the smallest factor above 1 (`left` itself if prime)
-          factor = next((f for f in range(2, math.isqrt(left) + 1) if left % f == 0), left)
-        larger = [*counts[:d], counts[d] * factor, *counts[d + 1 :]]
-        if counts[d] < larger[d] <= n and _sampled(shape, larger) <= target:
-          counts[d], grown = larger[d], True
-  return tuple(n // c for n, c in zip(shape, counts, strict=True))
-
-
-def _sampled(shape: tuple[int, ...], counts: list[int]) -> int:
-  """Returns how many elements strides of ``n // count`` along each dimension read."""
-  return math.prod(-(-n // (n // c)) for n, c in zip(shape, counts, strict=True))
-
-
-def _largest(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-  """Returns the largest magnitude in each array's stall sample (``stall_strides``),
-  in one variadic reduction (which XLA:GPU fuses with the strided slices)."""
-  samples = [
-    jnp.abs(jax.lax.slice(x, (0,) * x.ndim, x.shape, stall_strides(x.shape))).astype(jnp.float32)
-    for x in arrays
-  ]
-  zeros = tuple(np.float32(0) for _ in samples)
-  axes = tuple(range(samples[0].ndim))
-  return tuple(jax.lax.reduce(tuple(samples), zeros, tree_lib.elementwise_max, axes))
-
-
-class Landed24bit(NamedTuple):
-  """What ``Master24bit.commit`` hands ``param_update``: the new 24-bit master, and
-  whether the update was too small for the leaf's largest masters (see
-  ``Master24bit``)."""
-
-  master: jax.Array
-  stalled: jax.Array  # bool scalar
-
-
-@dataclasses.dataclass(frozen=True)
-class Master24bit(Remainder):
-  """The top 8 bits of a bfloat16 param's remainder (an int8): a 24-bit master
-  (float32 with its low 8 bits zero, 15 bits of mantissa), to which each step's
-  float32 result is rounded to nearest, ties away. Its param update and its
-  ``sync`` are the remainder's (a zero param under a negative correction
-  restarts at 0).
-
-  An update smaller than half the spacing of 24-bit values is lost, so
-  ``commit`` also reports whether the leaf's largest update falls below the
-  spacing at its largest master: a learning rate too small for the largest
-  weights (the state's ``stalled_steps``).
-  """
-
-  def init(self, param: Any, sources: Sources, index: int, seed: int) -> jax.Array:
-    del index, seed
-    master = rounding.canonical(jnp.asarray(sources(param)).astype(jnp.float32))
-    return rounding.nearest_correction(master)
-
-  def stored_like(self, param: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(param), jnp.int8)
-
-  def view(self, stored: jax.Array, param: Any) -> jax.Array:
-    return rounding.join_24bit(jnp.asarray(param), stored)
-
-  def commit(self, master: jax.Array, update: Any, stored: Any, param: Any, step: Any) -> Committed:
-    del stored, step
-    new = _land(rounding.round_to_24bit(_add(master, update, jnp.float32)), param)
-    # Sampled: counting every element cost 4 B/param more per step on the
-    # H100 compile (XLA:GPU does not fuse a reduction of AdamW's update into
-    # the step at every size, and a fused one of the master copies params).
-    largest_update, largest_master = _largest(update, master)
-    spacing = rounding.spacing_24bit(largest_master)
-    stalled = jnp.logical_and(largest_update > 0, largest_update < spacing)
-    return Committed(rounding.correction(new), Landed24bit(new, stalled))
-
-  def param_update(self, stored: Any, handoff: Any, param: Any, applied: jax.Array) -> jax.Array:
-    """Lands ``param`` as the remainder does, on ``handoff`` (a ``Landed24bit``)'s master."""
-    return super().param_update(stored, handoff.master, param, applied)
-
-
-def any_stalled(handoffs: list[Any]) -> jax.Array | None:
-  """Returns whether any leaf's update stalled this step (a ``Landed24bit``
-  handoff says), or None where no leaf's kind checks."""
-  flags = [h.stalled for h in handoffs if isinstance(h, Landed24bit)]
-  if not flags:
-    return None
-  return functools.reduce(jnp.logical_or, flags, jnp.zeros((), bool))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +430,13 @@ class Stochastic:
     self, master: jax.Array, update: Any, stored: Any, param: Any, step: jax.Array
   ) -> Committed:
     bits = rounding.random_bits(stored, step, np.shape(param))
-    value = rounding.stochastic_round(_add(master, update, jnp.float32), bits)
+    # lax where the dtypes agree, since ``+`` on tracers traces as a nested
+    # jit at every leaf.
+    if getattr(update, "dtype", None) == master.dtype == jnp.float32:
+      value = jax.lax.add(master, update)
+    else:
+      value = (master + update).astype(jnp.float32)
+    value = rounding.stochastic_round(value, bits)
     # The new param leaves the cond, as optax.apply_updates will land it.
     return Committed(stored, rounding.landing(param, value))
 
@@ -414,7 +444,9 @@ class Stochastic:
     self, stored: Any, handoff: jax.Array, param: Any, applied: jax.Array
   ) -> jax.Array:
     del stored
-    return _delta(handoff, jnp.asarray(param), jnp.float32, applied)
+    # Computed after the cond, the update fuses into optax.apply_updates.
+    delta = jax.lax.sub(handoff.astype(jnp.float32), jnp.asarray(param).astype(jnp.float32))
+    return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
 
   def sync(self, stored: Any, param: Any) -> Any:
     del param
@@ -491,7 +523,8 @@ class Mode:
       stalled = jnp.zeros((), bool)
     if first_stalled is not None:
       stalled = lowering.by_platform(
-        cpu=lambda: stalled, accelerator=lambda: jnp.logical_and(first_stalled, applied)
+        cpu=functools.partial(jnp.asarray, stalled),
+        accelerator=functools.partial(jnp.logical_and, first_stalled, applied),
       )
     return state.stalled_steps + stalled.astype(jnp.int32)
 
