@@ -118,7 +118,7 @@ def coder(
   wide = lambda s: jnp.asarray(levels)[_rows(s[0], four_bit)] * s[1][..., None]  # noqa: E731
   return (
     lambda x, key, step: _table_encode(levels, x, key, step, stochastic, four_bit),
-    lambda s: mc._unblocked(wide(s), s[0].shape[-1]),
+    lambda s: wide(s).reshape((*s[0].shape[:-1], -1))[..., : s[0].shape[-1]],
   )
 
 
@@ -156,7 +156,9 @@ def linear_map(signed: bool) -> np.ndarray:
 def _rows(x: Array, four_bit: bool = False) -> Array:
   """``x``'s last axis cut into the blocks of mpx's 8-bit (or 4-bit) code."""
   layout = mc.block_layout_4bit(x.shape[-1]) if four_bit else mc.block_layout(x.shape)
-  return mc._blocked(x, *layout)
+  size, blocks = layout
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size * blocks - x.shape[-1])])
+  return x.reshape((*x.shape[:-1], blocks, size))
 
 
 def _table_encode(

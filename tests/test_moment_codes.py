@@ -535,7 +535,7 @@ def adam_side_by_side(grads, checkpoints: int):
 
   def rel(c, f):
     def per_block(c, f):
-      rows = lambda v: mc._blocked(v, *mc.block_layout(v.shape))  # noqa: E731
+      rows = moment_codes_error._rows
       num = jnp.sum(jnp.square(rows(c - f)), -1).ravel()
       den = jnp.sum(jnp.square(rows(f)), -1).ravel()
       return jnp.sqrt(num / jnp.maximum(den, 1e-30))

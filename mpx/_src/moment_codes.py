@@ -124,25 +124,28 @@ def block_layout_4bit(n: int) -> tuple[int, int]:
   return _fit_blocks(n, MAX_BLOCK_4BIT, (range(MAX_BLOCK_4BIT // 2 + 2, MAX_BLOCK_4BIT + 1, 2),))
 
 
-def _blocked(x: jax.Array, size: int, blocks: int) -> jax.Array:
-  """Cuts ``x``'s last axis into ``(blocks, size)``, zero-padding the last block
-  where they do not tile."""
-  pad = size * blocks - x.shape[-1]
-  if pad:
-    x = jax.lax.pad(x, np.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)])
-  return x.reshape((*x.shape[:-1], blocks, size))
-
-
 def _unblocked(wide: jax.Array, n: int) -> jax.Array:
   """Merges the last two axes of ``wide`` and drops the padding past ``n``."""
   wide = wide.reshape((*wide.shape[:-2], wide.shape[-2] * wide.shape[-1]))
   return jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1) if wide.shape[-1] != n else wide
 
 
-def _block_max(x: jax.Array, axes: tuple[int, ...], signed: bool) -> jax.Array:
-  """Returns the largest magnitude (signed) or value (nonnegative) over ``axes``,
-  at least 0, as one two-result reduction, which XLA:CPU fuses the moment's
-  computation into (docs/moment_codes.md)."""
+def _block_max(
+  x: jax.Array, size: int, blocks: int, signed: bool, pairs: bool = False
+) -> jax.Array:
+  """Returns the largest magnitude (signed) or value (nonnegative), at least 0,
+  of each block of ``size`` along ``x``'s last axis, cut into ``blocks`` (the
+  last zero-padded where they do not tile); with ``pairs``, each block read as
+  ``size / 2`` pairs. One two-result reduction, which XLA:CPU fuses the
+  moment's computation into (docs/moment_codes.md)."""
+  pad = size * blocks - x.shape[-1]
+  if pad:
+    x = jax.lax.pad(x, np.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)])
+  x = x.reshape((*x.shape[:-1], blocks, size))
+  axes: tuple[int, ...] = (x.ndim - 1,)
+  if pairs:
+    x = x.reshape((*x.shape[:-1], size // 2, 2))
+    axes = (x.ndim - 2, x.ndim - 1)
   zero = np.float32(0)
   second = jax.lax.min if signed else jax.lax.max
 
@@ -619,8 +622,8 @@ class EightBitCompressed(BlockScaledKind):
     """Returns each block's largest magnitude (signed) or largest value, at
     least 0 (nonnegative): float32 ``(*shape[:-1], n_blocks)``."""
     x = jnp.asarray(value, jnp.float32)
-    rows = _blocked(x.reshape((1,)) if x.ndim == 0 else x, *block_layout(x.shape))
-    return _block_max(rows, (rows.ndim - 1,), self.sign == "signed")
+    rows = x.reshape((1,)) if x.ndim == 0 else x
+    return _block_max(rows, *block_layout(x.shape), self.sign == "signed")
 
   def compress_against(
     self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
@@ -768,15 +771,13 @@ class FourBitCompressed(BlockScaledKind):
     last axis only: nothing is reduced across rows."""
     x = jnp.asarray(value, jnp.float32)
     layout = _Layout.of(x.shape)
-    blocked = _blocked(x[..., : layout.body], layout.size, layout.blocks)
-    if layout.per == 8:
-      # A moment decoded from words (``_unpack``) in here reads a word a vector.
-      scales = _block_max(blocked, (x.ndim,), self.sign == "signed")
-    else:
-      # Each block as (size / 2) pairs: the reduction's inner loops then run
-      # over a pair and over the bytes, which it reads a vector at a time.
-      pairs = blocked.reshape((*blocked.shape[:-1], layout.size // 2, 2))
-      scales = _block_max(pairs, (x.ndim, x.ndim + 1), self.sign == "signed")
+    # Blocks of words (8 codes) as they are: a moment decoded from words
+    # (``_unpack``) in here reads a word a vector. Else each block as (size /
+    # 2) pairs: the reduction's inner loops then run over a pair and over the
+    # bytes, which it reads a vector at a time.
+    body = x[..., : layout.body]
+    signed = self.sign == "signed"
+    scales = _block_max(body, layout.size, layout.blocks, signed, pairs=layout.per != 8)
     return _with_tail(scales, x, self.sign, layout)
 
   def compress_against(
