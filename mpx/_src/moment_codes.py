@@ -130,6 +130,22 @@ def _unblocked(wide: jax.Array, n: int) -> jax.Array:
   return jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1) if wide.shape[-1] != n else wide
 
 
+def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Broadcasts each 8-bit block's scale to its elements, in the leaf's
+  ``shape``, so that a kernel rewriting the codes reads the old ones where it
+  writes."""
+  size, blocks = block_layout(shape)
+  lead = shape[:-1] if shape else ()
+  wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
+  return _unblocked(wide, shape[-1] if shape else 1).reshape(shape)
+
+
+def _spread(scales: jax.Array, size: int, n: int) -> jax.Array:
+  """Each 4-bit block's scale broadcast to its ``size`` elements, the first
+  ``n`` of a row kept."""
+  return _unblocked(jnp.broadcast_to(scales[..., None], (*scales.shape, size)), n)
+
+
 def _block_max(
   x: jax.Array, size: int, blocks: int, signed: bool, pairs: bool = False
 ) -> jax.Array:
@@ -327,12 +343,6 @@ class _Layout(NamedTuple):
         f"{(*lead, blocks)} (an even last axis) or {(*lead, blocks + 1)} (an odd one)"
       )
     return cls.of((*lead, 2 * pairs + scales_shape[-1] - blocks))
-
-
-def _spread(scales: jax.Array, size: int, n: int) -> jax.Array:
-  """Each 4-bit block's scale broadcast to its ``size`` elements, the first
-  ``n`` of a row kept."""
-  return _unblocked(jnp.broadcast_to(scales[..., None], (*scales.shape, size)), n)
 
 
 def _with_tail(scales: jax.Array, x: jax.Array, sign: Sign, layout: _Layout) -> jax.Array:
@@ -578,6 +588,7 @@ class BlockScaledKind:
     raise NotImplementedError
 
   def decompress(self, stored: Any) -> jax.Array:
+    """Returns the float32 leaf that ``stored`` codes: each level times its scale."""
     raise NotImplementedError
 
   def decompress_once(self, stored: Any) -> jax.Array:
@@ -733,16 +744,6 @@ class EightBitCompressed(BlockScaledKind):
     else:
       magnitude = jax.lax.bitwise_and(k, np.int32(127))
     return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
-
-
-def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Broadcasts each 8-bit block's scale to its elements, in the leaf's
-  ``shape``, so that a kernel rewriting the codes reads the old ones where it
-  writes."""
-  size, blocks = block_layout(shape)
-  lead = shape[:-1] if shape else ()
-  wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
-  return _unblocked(wide, shape[-1] if shape else 1).reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
