@@ -1,5 +1,5 @@
 """How far Adam with 4-bit moments strays from float32 Adam, fed one heavy-tailed
-gradient stream: mpx's 8-bit and 4-bit codes (mpx/_src/moment_codes_4bit.py),
+gradient stream: mpx's 8-bit and 4-bit codes (mpx/_src/moment_codes.py),
 per-field mixes, and torchao's ``AdamW4bit`` (docs/moment_codes.md, "4 bits").
 
 The stream: Student t (``--df`` degrees of freedom, 2.5 by default) times a
@@ -64,8 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import moment_codes as mc8
-from mpx._src import moment_codes_4bit as mc4
+from mpx._src import moment_codes as mc
 from mpx._src import rounding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -94,7 +93,7 @@ Encode = Callable[[Array, Array, Array], Any]  # (x, key, step) -> stored
 Decode = Callable[[Any], Array]
 
 
-def code(name: str, sign: mc4.Sign, stochastic: bool) -> tuple[Encode, Decode]:
+def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
   """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"``, or
   ``"4bit linear"`` (the 4-bit nonnegative blocks on the paper's map, k / 15).
   mpx's codes round stochastically; the others, and mpx's levels to nearest,
@@ -104,25 +103,25 @@ def code(name: str, sign: mc4.Sign, stochastic: bool) -> tuple[Encode, Decode]:
   if name == "8bit":
     return table_coder(None, sign, stochastic)
   if name == "4bit" and stochastic:
-    return (lambda x, key, step: mc4.encode(x, sign, key, step)), mc4.decode
+    kind = mc.FourBitCompressed(0, sign)
+    return (lambda x, key, step: kind.compress(x, step, key)), kind.decompress
   if name == "4bit":
-    signed = np.concatenate([-mc4.SIGNED_LEVELS[:0:-1], mc4.SIGNED_LEVELS])
-    return table_coder(signed if sign == "signed" else mc4.NONNEGATIVE_LEVELS, sign, False, True)
+    signed = np.concatenate([-mc.SIGNED_LEVELS_4BIT[:0:-1], mc.SIGNED_LEVELS_4BIT])
+    return table_coder(
+      signed if sign == "signed" else mc.NONNEGATIVE_LEVELS_4BIT, sign, False, True
+    )
   if name == "4bit linear" and sign == "nonnegative":
     return table_coder(np.arange(16) / np.float32(15), sign, stochastic, True)
   raise ValueError(name)
 
 
-def bytes_of(name: str, sign: mc4.Sign, shape: tuple[int, ...]) -> float:
+def bytes_of(name: str, sign: mc.Sign, shape: tuple[int, ...]) -> float:
   """The bytes a moment stored as ``name`` takes per element: for 8 and 4 bits,
   the codes and float32 scales (an odd row's last element among them)."""
   if name == "f32":
     return 4.0
-  if name == "8bit":
-    encode = lambda x: mc8.encode(x, sign, jnp.uint32(0), jnp.int32(0))  # noqa: E731
-    stored = jax.eval_shape(encode, jax.ShapeDtypeStruct(shape, jnp.float32))
-  else:
-    stored = mc4.stored_shapes(shape, sign)
+  kind = mc.EightBitCompressed(0, sign) if name == "8bit" else mc.FourBitCompressed(0, sign)
+  stored = kind.stored_like(jax.ShapeDtypeStruct(shape, jnp.float32))
   return sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in stored) / np.prod(shape)
 
 

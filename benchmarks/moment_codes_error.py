@@ -20,7 +20,6 @@ import numpy as np
 import optax
 
 from mpx._src import moment_codes as mc
-from mpx._src import moment_codes_4bit as mc4
 from mpx._src import rounding
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -95,14 +94,15 @@ def mpx_format(name: str, mu_stochastic: bool, nu_stochastic: bool | None = None
     label = f"{name} mu {ROUNDING[mu_stochastic][:4]}, nu {ROUNDING[nu_st][:4]}"
   if name == "8bit":
     return Format(label, *coder(None, "signed", mu_stochastic), *coder(None, "nonnegative", nu_st))
-  bf16 = lambda st: (functools.partial(encode_bfloat16, stochastic=st), mc.decode_bfloat16)  # noqa: E731
+  decode = lambda values: jnp.asarray(values).astype(jnp.float32)  # noqa: E731 (exact)
+  bf16 = lambda st: (functools.partial(encode_bfloat16, stochastic=st), decode)  # noqa: E731
   return Format(label, *bf16(mu_stochastic), *bf16(nu_st))
 
 
 def encode_bfloat16(x: Array, key: Array, step: Array, stochastic: bool) -> Array:
   """mpx's bfloat16 moment (stochastic), or the variant it does not offer: to nearest."""
   nearest = rounding.canonical(jnp.asarray(x, jnp.float32)).astype(jnp.bfloat16)
-  return mc.encode_bfloat16(x, key, step) if stochastic else nearest
+  return mc.Bfloat16Compressed(0).compress(x, step, key).values if stochastic else nearest
 
 
 def coder(
@@ -112,19 +112,22 @@ def coder(
   else by a sorted table (None: the 8-bit levels) in the 8- (4-) bit code's blocks,
   absmax scales, rounded as told: variants mpx does not offer (to nearest)."""
   if table is None and stochastic:
-    return (lambda x, key, step: mc.encode(x, sign, key, step)), mc.decode
+    kind = mc.EightBitCompressed(0, sign)
+    return (lambda x, key, step: kind.compress(x, step, key)), kind.decompress
   levels = np.unique(mc.level_table(sign)) if table is None else np.asarray(table, np.float32)
   wide = lambda s: jnp.asarray(levels)[_rows(s[0], four_bit)] * s[1][..., None]  # noqa: E731
   return (
     lambda x, key, step: _table_encode(levels, x, key, step, stochastic, four_bit),
-    lambda s: mc._unblocked(wide(s), s[0].shape[-1]),
+    lambda s: wide(s).reshape((*s[0].shape[:-1], -1))[..., : s[0].shape[-1]],
   )
 
 
 def float_levels(signed: bool, regions: list[tuple[int, int]]) -> np.ndarray:
   """The levels of a float-like code of ``(octaves, mantissa bits)`` regions, as
   mpx's codes describe theirs, as a sorted table."""
-  return np.unique(mc._level_table(mc._float_code(signed, tuple(regions))))
+  return np.unique(
+    mc.level_table("signed" if signed else "nonnegative", mc._float_code(signed, tuple(regions)))
+  )
 
 
 def power_levels(signed: bool, p: float) -> np.ndarray:
@@ -152,8 +155,10 @@ def linear_map(signed: bool) -> np.ndarray:
 
 def _rows(x: Array, four_bit: bool = False) -> Array:
   """``x``'s last axis cut into the blocks of mpx's 8-bit (or 4-bit) code."""
-  layout = mc4.block_layout(x.shape[-1]) if four_bit else mc.block_layout(x.shape)
-  return mc._blocked(x, *layout)
+  layout = mc.block_layout_4bit(x.shape[-1]) if four_bit else mc.block_layout(x.shape)
+  size, blocks = layout
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size * blocks - x.shape[-1])])
+  return x.reshape((*x.shape[:-1], blocks, size))
 
 
 def _table_encode(
@@ -365,9 +370,14 @@ def cost(n: int, repeats: int = 5) -> None:
     return sum(1 for line in text.splitlines() if re.match(r"\s*(ROOT )?%?[\w.-]+ = ", line))
 
   cases: dict[str, Callable] = {"float32 read + write (x + 1)": lambda x, k, c: x + 1.0}
-  eight = lambda x, k, c, sign: mc.decode(mc.encode(x, sign, k, c))  # noqa: E731
+
+  def eight(x: Array, k: Array, c: Array, sign: mc.Sign) -> Array:
+    kind = mc.EightBitCompressed(0, sign)
+    return kind.decompress(kind.compress(x, c, k))
+
   cases.update({f"8bit {s} stochastic": functools.partial(eight, sign=s) for s in mc.SIGNS})
-  cases["bfloat16 stochastic"] = lambda x, k, c: mc.decode_bfloat16(mc.encode_bfloat16(x, k, c))
+  bf16 = mc.Bfloat16Compressed(0)
+  cases["bfloat16 stochastic"] = lambda x, k, c: bf16.decompress(bf16.compress(x, c, k))
   print(f"{'encode + decode':34} {'ms (min of 5)':>14} {'HLO instructions':>17}")
   for name, f in cases.items():
     ms, n_instructions = timed(f, x, key, step), instructions(f, x, key, step)

@@ -16,11 +16,10 @@ from lowering_forms import forced
 
 import mpx
 import mpx._src
-from mpx._src import moment_codes_4bit as m4
+from mpx._src import moment_codes as mc
 from mpx._src import tree
-from mpx._src.moments import FourBitCompressed
 
-m4_compress = FourBitCompressed.compress
+m4_compress = mc.FourBitCompressed.compress
 
 
 def _spied(
@@ -32,7 +31,7 @@ def _spied(
   traced: collections.Counter = collections.Counter()
 
   def counting(name: str) -> Any:
-    real = getattr(m4, name)
+    real = getattr(mc, name)
 
     def spy(*args: Any, **kwargs: Any) -> Any:
       traced[name] += 1
@@ -41,7 +40,7 @@ def _spied(
     return spy
 
   for name in ("_pack", "_pack_by_bitcast"):
-    monkeypatch.setattr(m4, name, counting(name))
+    monkeypatch.setattr(mc, name, counting(name))
   calls: list[tuple[Any, ...]] = []
   jitted = tree._jitted
 

@@ -1,4 +1,4 @@
-"""The 4-bit moment codes (``mpx/_src/moment_codes_4bit.py``) against numpy
+"""The 4-bit moment codes (``mpx/_src/moment_codes.py``'s ``FourBitCompressed``) against numpy
 float64 references written here from their definitions: the signed
 dynamic-exponent map of "Memory Efficient Optimizers with 4-bit States" (Li et
 al. 2023) in blocks of 128, and the nonnegative float-like map without zero in
@@ -17,12 +17,39 @@ import numpy as np
 import pytest
 from lowering_forms import ACCELERATOR, forced
 
-from mpx._src import moment_codes_4bit as m4
-from mpx._src import states
+from mpx._src import moment_codes as mc
+from mpx._src import moments, states
 
 KEY = jnp.uint32(0x5EED1234)
 STEP = jnp.int32(11)
 TINY = np.finfo(np.float32).tiny
+
+
+# The 4-bit code through its kind, the entry points the step uses.
+
+
+def encode_4bit(x, sign, key, step, scales=None):
+  """The stored 4-bit form of ``x`` (against ``scales``: a second pass)."""
+  return mc.FourBitCompressed(0, sign).compress_against(x, step, scales, key)
+
+
+def kind_of(stored) -> mc.FourBitCompressed:
+  """The 4-bit kind of ``stored``'s sign."""
+  return mc.FourBitCompressed(
+    0, "signed" if isinstance(stored, states.Signed4bitMoment) else "nonnegative"
+  )
+
+
+def decode_4bit(stored):
+  return kind_of(stored).decompress(stored)
+
+
+def maxima_4bit(x, sign):
+  return mc.FourBitCompressed(0, sign).maxima(x)
+
+
+def stored_shapes(shape, sign):
+  return mc.FourBitCompressed(0, sign).stored_like(jax.ShapeDtypeStruct(shape, jnp.float32))
 
 
 # --- Independent references ---------------------------------------------------
@@ -134,9 +161,9 @@ def coder(sign: str):
 
   @jax.jit
   def encode(x, key, step, scales=None):
-    return m4.encode(x, sign, key, step, scales=scales)
+    return encode_4bit(x, sign, key, step, scales=scales)
 
-  return encode, jax.jit(m4.decode)
+  return encode, jax.jit(decode_4bit)
 
 
 def round_trip(x, sign, step=STEP, scales=None):
@@ -152,16 +179,16 @@ def test_the_levels_are_the_papers_maps():
   # The DE map of bitsandbytes and the paper (magnitudes, 3 bits after the sign).
   raw = np.array([0, 0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875])
   np.testing.assert_allclose(de_map(), raw / 0.8875, rtol=1e-12)
-  np.testing.assert_allclose(m4.SIGNED_LEVELS, de_map(), rtol=1e-7)
-  np.testing.assert_allclose(m4.NONNEGATIVE_LEVELS, float_map(), rtol=1e-7)
+  np.testing.assert_allclose(mc.SIGNED_LEVELS_4BIT, de_map(), rtol=1e-7)
+  np.testing.assert_allclose(mc.NONNEGATIVE_LEVELS_4BIT, float_map(), rtol=1e-7)
   # The nonnegative levels are floats with one mantissa bit, decoded from the
   # code's bits: each code decodes to exactly its level at scale 1.
   codes = jnp.asarray(np.arange(16, dtype=np.uint8).reshape(8, 2) @ np.array([1, 16], np.uint8))
-  decoded = m4.decode(m4.Nonnegative4bitMoment(codes, jnp.ones((1,), jnp.float32)))
+  decoded = decode_4bit(states.Nonnegative4bitMoment(codes, jnp.ones((1,), jnp.float32)))
   np.testing.assert_array_equal(np.asarray(decoded), float_map().astype(np.float32))
 
 
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_rounding_picks_a_neighbouring_level_of_the_reference(sign):
   x = moment((16, 1024), sign)
   x[0, :5] = 0.0
@@ -176,7 +203,7 @@ def test_rounding_picks_a_neighbouring_level_of_the_reference(sign):
   np.testing.assert_allclose(decoded[ok], value[ok], rtol=0, atol=1e-6 * scale.max())
 
 
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_the_error_is_within_the_level_spacing(sign):
   x = moment((16, 1024), sign, seed=1)
   _, decoded = round_trip(x, sign)
@@ -231,7 +258,7 @@ def test_the_signed_code_keeps_signs_and_zeros():
   assert nonzero[kept].mean() > 0.9
 
 
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_each_block_maximum_decodes_exactly(sign):
   x = moment((16, 1024), sign, seed=3)
   if sign == "signed":
@@ -249,12 +276,12 @@ LAYOUTS = [(16, 100), (4, 768), (2, 11008), (3, 4098), (2, 4097)]
 
 
 @pytest.mark.parametrize("shape", LAYOUTS, ids=str)
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_each_block_maximum_decodes_exactly_in_every_layout(sign, shape):
   x = moment(shape, sign, seed=9)
   _, decoded = round_trip(x, sign)
   body = shape[-1] - shape[-1] % 2
-  size, blocks = m4.block_layout(body)
+  size, blocks = mc.block_layout_4bit(body)
   padded = np.zeros((*shape[:-1], size * blocks), np.float32)
   padded[..., :body] = np.abs(x[..., :body])
   maxima = padded.reshape(*shape[:-1], blocks, size).max(-1)
@@ -266,7 +293,7 @@ def test_each_block_maximum_decodes_exactly_in_every_layout(sign, shape):
 
 
 @pytest.mark.parametrize("n", [1026, 1024])
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_each_row_codes_on_its_own(sign, n):
   # No reduction across rows: a row coded alone stores what it stores among
   # rows a thousand times larger or smaller.
@@ -274,7 +301,7 @@ def test_each_row_codes_on_its_own(sign, n):
   x[1::2] *= np.float32(1e3)
   x[2::4] *= np.float32(1e-6)
   matrix, decoded = round_trip(x, sign)
-  size, _ = m4.block_layout(n)
+  size, _ = mc.block_layout_4bit(n)
   gap = np.diff(de_map() if sign == "signed" else float_map()).max()
   for i in range(len(x)):
     row, alone = round_trip(x[i], sign)
@@ -283,14 +310,14 @@ def test_each_row_codes_on_its_own(sign, n):
     scale = np.repeat(np.asarray(row.scales), size)[:n]
     assert np.all(np.abs(decoded[i] - alone) <= gap * scale * (1 + 1e-6))
   np.testing.assert_array_equal(
-    np.asarray(m4.maxima(jnp.asarray(x), sign)), np.asarray(matrix.scales)
+    np.asarray(maxima_4bit(jnp.asarray(x), sign)), np.asarray(matrix.scales)
   )
 
 
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_scales_smaller_than_a_value_clamp_to_the_top_level(sign):
   x = moment((16, 1024), sign, seed=4)
-  true = np.asarray(m4.maxima(jnp.asarray(x), sign))
+  true = np.asarray(maxima_4bit(jnp.asarray(x), sign))
   np.testing.assert_array_equal(true, np.abs(x).reshape(16, 8, 128).max(-1))
   for factor in (0.25, 1e-30):
     small = true * np.float32(factor)
@@ -311,16 +338,16 @@ ODD_SHAPES = [(4097,), (50257,), (65, 65), (3, 5, 277), (4096, 1), (2, 2049), (4
 
 @pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
 def test_odd_shapes_round_trip_to_their_own_shape(shape):
-  xs = {sign: jnp.asarray(moment(shape, sign, seed=5)) for sign in m4.SIGNS}
+  xs = {sign: jnp.asarray(moment(shape, sign, seed=5)) for sign in mc.SIGNS}
 
   def encode(xs):
-    return {sign: m4.encode(x, sign, KEY, STEP) for sign, x in xs.items()}
+    return {sign: encode_4bit(x, sign, KEY, STEP) for sign, x in xs.items()}
 
   stored = jax.eval_shape(encode, xs)
-  decoded = jax.jit(lambda xs: {s: m4.decode(v) for s, v in encode(xs).items()})(xs)
-  for sign in m4.SIGNS:
-    like = m4.stored_shapes(shape, sign)
-    assert type(stored[sign]) is m4.STORED_TYPES[sign]
+  decoded = jax.jit(lambda xs: {s: decode_4bit(v) for s, v in encode(xs).items()})(xs)
+  for sign in mc.SIGNS:
+    like = stored_shapes(shape, sign)
+    assert type(stored[sign]) is mc.STORED_TYPES_4BIT[sign]
     assert stored[sign]._fields == ("codes", "scales")
     assert [(s.shape, s.dtype) for s in stored[sign]] == [(s.shape, s.dtype) for s in like]
     x, out = np.asarray(xs[sign]), np.asarray(decoded[sign])
@@ -335,18 +362,19 @@ def test_odd_shapes_round_trip_to_their_own_shape(shape):
 
 def test_the_stored_types_are_those_of_states():
   expected = {"signed": states.Signed4bitMoment, "nonnegative": states.Nonnegative4bitMoment}
-  assert dict(m4.STORED_TYPES) == expected
+  assert dict(mc.STORED_TYPES_4BIT) == expected
   for shape in [(4096, 4096), (2**20,), (3, 5, 277)]:
-    signed, nonnegative = (m4.stored_shapes(shape, sign) for sign in m4.SIGNS)
+    signed, nonnegative = (stored_shapes(shape, sign) for sign in mc.SIGNS)
     assert type(nonnegative) is states.Nonnegative4bitMoment
     assert list(signed) == list(nonnegative)  # the same layout for both signs
-  assert m4.sign_of(states.Nonnegative4bitMoment(None, None)) == "nonnegative"
-  assert m4.sign_of(states.Signed4bitMoment(None, None)) == "signed"
+  # The kind that decompresses each stored type has its sign.
+  for sign, stored_type in expected.items():
+    assert moments._KIND_OF_STORED[stored_type] == mc.FourBitCompressed(0, sign)
 
 
 def bytes_per_element(shape: tuple[int, ...]) -> float:
   """The bytes the stored form of a leaf of ``shape`` takes per element."""
-  stored = m4.stored_shapes(shape, "nonnegative")
+  stored = stored_shapes(shape, "nonnegative")
   return sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in stored) / np.prod(shape)
 
 
@@ -354,7 +382,7 @@ def test_bytes_per_element():
   assert bytes_per_element((4096, 4096)) == 0.5 + 4 / 128
   assert bytes_per_element((2**20,)) == 0.5 + 4 / 128
   assert bytes_per_element((4097,)) == (2048 + 4 * 33) / 4097
-  assert [m4.block_layout(n) for n in (4096, 768, 11008, 4098)] == [
+  assert [mc.block_layout_4bit(n) for n in (4096, 768, 11008, 4098)] == [
     (128, 32),
     (96, 8),
     (86, 128),
@@ -366,8 +394,8 @@ def test_min_row_is_the_shortest_row_from_which_4_bits_beat_bfloat16():
   def pays(n: int, lead: tuple[int, ...] = ()) -> bool:
     return bytes_per_element((*lead, n)) < 2.0
 
-  assert not pays(m4.MIN_ROW - 1)
-  assert all(pays(n) and pays(n, (3, 2)) for n in range(m4.MIN_ROW, 2048))
+  assert not pays(mc.MIN_ROW_4BIT - 1)
+  assert all(pays(n) and pays(n, (3, 2)) for n in range(mc.MIN_ROW_4BIT, 2048))
   assert pays(4) and not pays(5)  # 4 alone would route 5 to a code that costs more
 
 
@@ -378,18 +406,18 @@ def test_min_row_is_the_shortest_row_from_which_4_bits_beat_bfloat16():
   [(4, 1026), *(pytest.param(s, marks=pytest.mark.slow) for s in [(4, 1024), (3, 4097)])],
   ids=str,
 )
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_jit_equals_eager(sign, shape):
   x = moment(shape, sign, seed=6)
-  eager = m4.encode(jnp.asarray(x), sign, KEY, STEP)
+  eager = encode_4bit(jnp.asarray(x), sign, KEY, STEP)
   jitted, decode = coder(sign)
   compiled = jitted(jnp.asarray(x), KEY, STEP)
   for a, b in zip(eager, compiled, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_array_equal(np.asarray(m4.decode(eager)), np.asarray(decode(compiled)))
+  np.testing.assert_array_equal(np.asarray(decode_4bit(eager)), np.asarray(decode(compiled)))
 
 
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_stochastic_rounding_is_unbiased_and_deterministic(sign):
   x = moment((4, 1024), sign, seed=7)
   encode, decode = coder(sign)
@@ -423,11 +451,11 @@ def test_the_accelerator_program_codes_the_same_bytes_as_the_cpu_s():
   # XLA:GPU's program packs a byte at a time, XLA:CPU's a uint32 word.
   x = jnp.asarray(np.random.default_rng(11).normal(size=(4, 1024)), jnp.float32)
   key, step = jnp.uint32(7), jnp.int32(3)
-  encode = jax.jit(m4.encode, static_argnums=1)
+  encode = jax.jit(encode_4bit, static_argnums=1)
   cpu = encode(x, "signed", key, step)
   with forced(ACCELERATOR):
     # A new callable: jax keeps a trace by the function traced, even through a new jit.
-    gpu = jax.jit(functools.partial(m4.encode), static_argnums=1)(x, "signed", key, step)
+    gpu = jax.jit(functools.partial(encode_4bit), static_argnums=1)(x, "signed", key, step)
   np.testing.assert_array_equal(np.asarray(cpu.codes), np.asarray(gpu.codes))
 
 
@@ -438,11 +466,11 @@ def test_words_and_bytes_pack_the_same_bytes():
   codes = rng.integers(0, 16, (3, 5, 64)).astype(np.int32)
   expected = (codes[..., 0::2] | codes[..., 1::2] << 4).astype(np.uint8)
   for per in (2, 8):
-    packed = np.asarray(jax.jit(m4._pack, static_argnums=1)(jnp.asarray(codes), per))
+    packed = np.asarray(jax.jit(mc._pack, static_argnums=1)(jnp.asarray(codes), per))
     np.testing.assert_array_equal(packed, expected)
-    unpacked = jax.jit(m4._unpack, static_argnums=1)(jnp.asarray(expected), per)
+    unpacked = jax.jit(mc._unpack, static_argnums=1)(jnp.asarray(expected), per)
     np.testing.assert_array_equal(np.asarray(unpacked), codes)
-  assert [m4._Layout.of((2, n)).per for n in (1024, 768, 4097, 1026, 11008, 4098)] == [
+  assert [mc._Layout.of((2, n)).per for n in (1024, 768, 4097, 1026, 11008, 4098)] == [
     8,
     8,
     8,
@@ -454,7 +482,7 @@ def test_words_and_bytes_pack_the_same_bytes():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
 @pytest.mark.parametrize("shape", [(256, 1024), (256, 1026), (64, 4097)], ids=str)
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 def test_no_float32_or_int32_array_is_written_out_on_cpu(sign, shape):
   # Encode, decode, and a moment decoded, updated and encoded again (what an
   # optimizer step does) each fuse into loops that write out nothing per
@@ -464,33 +492,31 @@ def test_no_float32_or_int32_array_is_written_out_on_cpu(sign, shape):
   g = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
 
   def encode(x):
-    return m4.encode(x, sign, KEY, STEP)
+    return encode_4bit(x, sign, KEY, STEP)
 
   def step(stored, g):
     g = g.astype(jnp.float32)
-    new = 0.9 * m4.decode(stored) + 0.1 * (g * g if sign == "nonnegative" else g)
+    new = 0.9 * decode_4bit(stored) + 0.1 * (g * g if sign == "nonnegative" else g)
     return encode(new)
 
   stored = jax.eval_shape(encode, x)
-  for f, args in [(encode, (x,)), (m4.decode, (stored,)), (step, (stored, g))]:
+  for f, args in [(encode, (x,)), (decode_4bit, (stored,)), (step, (stored, g))]:
     scratch = jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert scratch <= 1.1 * np.prod(shape), (f, scratch / np.prod(shape))
 
 
 def test_bad_arguments_are_refused():
   x = jnp.ones((8, 512))
-  with pytest.raises(ValueError, match="sign"):
-    m4.encode(x, "unsigned", KEY, STEP)
   with pytest.raises(ValueError, match="one or more axes"):
-    m4.encode(jnp.ones(()), "signed", KEY, STEP)
+    encode_4bit(jnp.ones(()), "signed", KEY, STEP)
   with pytest.raises(ValueError, match="expected"):
-    m4.encode(x, "signed", KEY, STEP, scales=jnp.ones((8, 3)))
+    encode_4bit(x, "signed", KEY, STEP, scales=jnp.ones((8, 3)))
   with pytest.raises(ValueError, match="expected"):
-    m4.encode(x, "nonnegative", KEY, STEP, scales=jnp.ones((8, 5)))
+    encode_4bit(x, "nonnegative", KEY, STEP, scales=jnp.ones((8, 5)))
   with pytest.raises(ValueError, match="expected"):
-    m4.encode(x, "nonnegative", KEY, STEP, scales=jnp.ones((512,)))
+    encode_4bit(x, "nonnegative", KEY, STEP, scales=jnp.ones((512,)))
   with pytest.raises(ValueError, match="expected"):
-    m4.decode(m4.Signed4bitMoment(jnp.zeros((8, 256), jnp.uint8), jnp.ones((8, 7))))
+    decode_4bit(states.Signed4bitMoment(jnp.zeros((8, 256), jnp.uint8), jnp.ones((8, 7))))
 
 
 @pytest.mark.slow
@@ -523,20 +549,20 @@ def test_the_error_benchmark_ranks_the_formats_as_the_docs_say(tmp_path):
   assert all(int(row["zeros sum"]) == 0 for row in rows.values())
 
 
-@pytest.mark.parametrize("sign", m4.SIGNS)
+@pytest.mark.parametrize("sign", mc.SIGNS)
 @pytest.mark.parametrize("shape", [(3, 1024), (3, 1026), (3, 301), (2, 6)], ids=str)
 def test_decode_by_table_is_bitwise_decode(sign, shape):
   # Every code in words and in bytes, an odd row (decoded by decode itself),
   # normal, subnormal-product and zero scales.
   rng = np.random.default_rng(12)
-  stored_like = m4.stored_shapes(shape, sign)
+  stored_like = stored_shapes(shape, sign)
   codes = rng.integers(0, 256, stored_like.codes.shape).astype(np.uint8)
   codes[0, : min(128, codes.shape[-1])] = np.arange(min(128, codes.shape[-1]))
   scales = np.float32(3.5) * rng.random(stored_like.scales.shape).astype(np.float32)
   scales[1] = np.float32(1e-37)
   scales[-1, 0] = 0.0
-  stored = m4.STORED_TYPES[sign](jnp.asarray(codes), jnp.asarray(scales))
-  decoded = np.asarray(m4.decode(stored))
+  stored = mc.STORED_TYPES_4BIT[sign](jnp.asarray(codes), jnp.asarray(scales))
+  decoded = np.asarray(decode_4bit(stored))
   np.testing.assert_array_equal(
-    np.asarray(m4.decode_by_table(stored)).view(np.uint32), decoded.view(np.uint32)
+    np.asarray(kind_of(stored).decompress_once(stored)).view(np.uint32), decoded.view(np.uint32)
   )

@@ -117,9 +117,9 @@ def test_per_field_formats_and_bad_ones():
 
 
 def test_short_rows_are_stored_in_bfloat16():
-  from mpx._src import moment_codes_4bit
+  from mpx._src import moment_codes
 
-  short = moment_codes_4bit.MIN_ROW - 1
+  short = moment_codes.MIN_ROW_4BIT - 1
   params = {"long": jnp.ones((32, 256), jnp.bfloat16), "short": jnp.ones((4096, short))}
   inner = mpx.mixed_precision(optax.adam(1e-3), moments="4bit").init(params).inner_state[0]
   assert type(inner.nu["long"]) is mpx.Nonnegative4bitMoment

@@ -8,8 +8,6 @@ import sys
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -54,17 +52,3 @@ def check_nnx_supported() -> None:
       f"mpx inside flax nnx.Optimizer needs flax >= {NNX_NEEDS_FLAX} (which needs jax >= "
       f"0.8.1); this is flax {found}. flax's linen TrainState works with older flax."
     )
-
-
-def lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
-  """Returns ``table[index]`` for a small constant table (indices clipped), in
-  ``index``'s sharding. Under explicit sharding (types that carry mesh axes,
-  jax >= 0.6) a gather from the replicated table must be told its output's
-  sharding; older jax has no such types. Pinned by
-  tests/test_containers.py::test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh."""
-  values = jnp.asarray(table)
-  typeof = getattr(jax, "typeof", None)
-  sharding = None if typeof is None else getattr(typeof(index), "sharding", None)
-  if any(axis is not None for axis in getattr(sharding, "spec", ())):
-    return values.at[index].get(mode="clip", out_sharding=sharding)
-  return jnp.take(values, index, mode="clip")

@@ -1,16 +1,24 @@
-"""The moment codes' block core, shared with the 4-bit codes, and the bfloat16
-and 8-bit codes (docs/moment_codes.md)."""
+"""The moment codes (docs/moment_codes.md) and the kinds that store one leaf of
+the inner state in them: as it is, in bfloat16, or in a signed or nonnegative
+code of 8 or 4 bits against a float32 scale per block along the last axis.
+One block core (the layout, the block maxima, the scales spread to their
+elements) serves both block-scaled codes; each keeps its own levels."""
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, TypeAlias
+import dataclasses
+import functools
+import itertools
+import math
+from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import compat, rounding
+from mpx._src import lowering, rounding
 from mpx._src.states import (
+  Bfloat16Moment,
   Nonnegative4bitMoment,
   Nonnegative8bitMoment,
   Signed4bitMoment,
@@ -22,16 +30,33 @@ from mpx._src.states import (
 Sign = Literal["signed", "nonnegative"]
 SIGNS: tuple[Sign, ...] = ("signed", "nonnegative")
 EightBitMoment: TypeAlias = Signed8bitMoment | Nonnegative8bitMoment
+FourBitMoment: TypeAlias = Signed4bitMoment | Nonnegative4bitMoment
 # The stored type of each sign's code.
 STORED_TYPES: dict[Sign, type[EightBitMoment]] = {
   "signed": Signed8bitMoment,
   "nonnegative": Nonnegative8bitMoment,
 }
+STORED_TYPES_4BIT: dict[Sign, type[FourBitMoment]] = {
+  "signed": Signed4bitMoment,
+  "nonnegative": Nonnegative4bitMoment,
+}
 
-# Blocks hold at most this many elements; ``block_layout`` prefers one in
+# 8-bit blocks hold at most this many elements; ``block_layout`` prefers one in
 # (MAX_BLOCK / 2, MAX_BLOCK] and accepts one down to MIN_BLOCK that divides.
 MAX_BLOCK = 256
 MIN_BLOCK = 32
+# 4-bit blocks hold at most this many elements along the last axis;
+# ``block_layout_4bit`` prefers an even size in (MAX_BLOCK_4BIT / 2,
+# MAX_BLOCK_4BIT] that divides.
+MAX_BLOCK_4BIT = 128
+# The shortest last axis for which the 4-bit code pays: a row of n <= 128
+# elements costs n // 2 bytes of codes, 4 of its block's scale and, for an odd
+# n, 4 more for its last element (in float32), against bfloat16's 2 n. That is
+# less from n = 4 (6 bytes against 8) but for n = 5 (10 against 10), and for
+# every n >= 6 (7 against 12; 11 against 14 for n = 7; under 0.6 bytes an
+# element past 128). Shorter rows are for bfloat16, as
+# ``moments.MIN_ROW_8BIT`` routes them for the 8-bit code.
+MIN_ROW_4BIT = 6
 
 _ONE_BITS = 0x3F800000  # bits of float32 1.0
 _TINY = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32
@@ -65,13 +90,38 @@ def _fit_blocks(n: int, max_block: int, sizes: tuple[range, ...]) -> tuple[int, 
   return size, -(-n // size)
 
 
-def _blocked(x: jax.Array, size: int, blocks: int) -> jax.Array:
-  """Cuts ``x``'s last axis into ``(blocks, size)``, zero-padding the last block
-  where they do not tile."""
-  pad = size * blocks - x.shape[-1]
-  if pad:
-    x = jax.lax.pad(x, np.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)])
-  return x.reshape((*x.shape[:-1], blocks, size))
+def block_layout(shape: tuple[int, ...]) -> tuple[int, int]:
+  """Returns the 8-bit code's ``(block_size, n_blocks)`` of a leaf of ``shape``,
+  blocks along its last axis (a scalar is one row of one element).
+
+  A last axis of at most ``MAX_BLOCK`` is one block. A longer one takes the
+  divisor in (128, 256] (else in [32, 128]) that leaves the block count with
+  the most factors of two, then the largest: 4096 gives 16 blocks of 256, 768
+  gives 4 of 192, 11008 gives 64 of 172, 32000 gives 128 of 250, so sharding
+  the axis 2, 4, 8... ways (up to the block count) splits it on block
+  boundaries. With no such divisor (50257, 4097) the axis is cut into
+  ``ceil(n / 256)`` blocks of ``ceil(n / n_blocks)``, the last one short.
+  """
+  n = shape[-1] if shape else 1
+  if n <= MAX_BLOCK:
+    return n, 1
+  sizes = (range(MAX_BLOCK // 2 + 1, MAX_BLOCK + 1), range(MIN_BLOCK, MAX_BLOCK // 2 + 1))
+  return _fit_blocks(n, MAX_BLOCK, sizes)
+
+
+def block_layout_4bit(n: int) -> tuple[int, int]:
+  """Returns the 4-bit code's ``(block_size, n_blocks)`` for a row of ``n`` coded
+  elements (even, or 0): one block up to ``MAX_BLOCK_4BIT``; else the even
+  divisor in (64, 128] that leaves the block count with the most factors of
+  two, then the largest (4096: 32 blocks of 128; 768: 8 of 96; 11008: 128 of
+  86; 50256: 698 of 72), so that sharding the axis 2, 4, 8... ways splits it
+  on block boundaries; else ``ceil(n / 128)`` blocks of an even size, the last
+  short (4098: 33 of 126). Smaller divisors would cost more in scales than
+  4-bit codes save.
+  """
+  if n <= MAX_BLOCK_4BIT:
+    return n, 1 if n else 0
+  return _fit_blocks(n, MAX_BLOCK_4BIT, (range(MAX_BLOCK_4BIT // 2 + 2, MAX_BLOCK_4BIT + 1, 2),))
 
 
 def _unblocked(wide: jax.Array, n: int) -> jax.Array:
@@ -80,10 +130,38 @@ def _unblocked(wide: jax.Array, n: int) -> jax.Array:
   return jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1) if wide.shape[-1] != n else wide
 
 
-def _block_max(x: jax.Array, axes: tuple[int, ...], signed: bool) -> jax.Array:
-  """Returns the largest magnitude (signed) or value (nonnegative) over ``axes``,
-  at least 0, as one two-result reduction, which XLA:CPU fuses the moment's
-  computation into (docs/moment_codes.md)."""
+def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Broadcasts each 8-bit block's scale to its elements, in the leaf's
+  ``shape``, so that a kernel rewriting the codes reads the old ones where it
+  writes."""
+  size, blocks = block_layout(shape)
+  lead = shape[:-1] if shape else ()
+  wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
+  return _unblocked(wide, shape[-1] if shape else 1).reshape(shape)
+
+
+def _spread(scales: jax.Array, size: int, n: int) -> jax.Array:
+  """Each 4-bit block's scale broadcast to its ``size`` elements, the first
+  ``n`` of a row kept."""
+  return _unblocked(jnp.broadcast_to(scales[..., None], (*scales.shape, size)), n)
+
+
+def _block_max(
+  x: jax.Array, size: int, blocks: int, signed: bool, pairs: bool = False
+) -> jax.Array:
+  """Returns the largest magnitude (signed) or value (nonnegative), at least 0,
+  of each block of ``size`` along ``x``'s last axis, cut into ``blocks`` (the
+  last zero-padded where they do not tile); with ``pairs``, each block read as
+  ``size / 2`` pairs. One two-result reduction, which XLA:CPU fuses the
+  moment's computation into (docs/moment_codes.md)."""
+  pad = size * blocks - x.shape[-1]
+  if pad:
+    x = jax.lax.pad(x, np.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)])
+  x = x.reshape((*x.shape[:-1], blocks, size))
+  axes: tuple[int, ...] = (x.ndim - 1,)
+  if pairs:
+    x = x.reshape((*x.shape[:-1], size // 2, 2))
+    axes = (x.ndim - 2, x.ndim - 1)
   zero = np.float32(0)
   second = jax.lax.min if signed else jax.lax.max
 
@@ -96,35 +174,28 @@ def _block_max(x: jax.Array, axes: tuple[int, ...], signed: bool) -> jax.Array:
   return jax.lax.max(largest, jax.lax.neg(other) if signed else other)
 
 
-def _salted(key: jax.Array, salt: str) -> jax.Array:
-  """Xors the salt of a format and sign (``_SALTS``) into ``key``."""
+def _salted(key: jax.Array | None, default: int, salt: str) -> jax.Array:
+  """Returns ``key`` (None: the kind's ``default`` key) with the salt of a
+  format and sign (``_SALTS``) xored in."""
+  key = jnp.uint32(default) if key is None else key
   return jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS[salt]))
 
 
-def _int32_bits(x: jax.Array) -> jax.Array:
-  """Reinterprets float32 ``x`` as int32 bit patterns."""
-  return jax.lax.bitcast_convert_type(x, jnp.int32)
+def lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
+  """Returns ``table[index]`` for a small constant table (indices clipped), in
+  ``index``'s sharding. Under explicit sharding (types that carry mesh axes,
+  jax >= 0.6) a gather from the replicated table must be told its output's
+  sharding; older jax has no such types. Pinned by
+  tests/test_containers.py::test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh."""
+  values = jnp.asarray(table)
+  typeof = getattr(jax, "typeof", None)
+  sharding = None if typeof is None else getattr(typeof(index), "sharding", None)
+  if any(axis is not None for axis in getattr(sharding, "spec", ())):
+    return values.at[index].get(mode="clip", out_sharding=sharding)
+  return jnp.take(values, index, mode="clip")
 
 
-def _check_sign(sign: str) -> None:
-  """Refuses a sign other than those in :data:`SIGNS`."""
-  if sign not in SIGNS:
-    raise ValueError(f"sign must be one of {SIGNS}, got {sign!r}")
-
-
-def sign_of(stored: EightBitMoment | Signed4bitMoment | Nonnegative4bitMoment) -> Sign:
-  """Returns the sign whose code ``stored`` (8- or 4-bit) holds."""
-  if isinstance(stored, Signed8bitMoment | Signed4bitMoment):
-    return "signed"
-  if isinstance(stored, Nonnegative8bitMoment | Nonnegative4bitMoment):
-    return "nonnegative"
-  raise ValueError(
-    f"expected a Signed8bitMoment or a Nonnegative8bitMoment (or a 4-bit one), got "
-    f"{type(stored).__name__}"
-  )
-
-
-# --- The 8-bit code ------------------------------------------------------------------
+# --- The 8-bit levels --------------------------------------------------------------
 
 
 class _Code(NamedTuple):
@@ -160,81 +231,6 @@ CODES: dict[Sign, _Code] = {
 }
 
 
-def block_layout(shape: tuple[int, ...]) -> tuple[int, int]:
-  """Returns ``(block_size, n_blocks)`` of a leaf of ``shape``, blocks along its
-  last axis (a scalar is one row of one element).
-
-  A last axis of at most ``MAX_BLOCK`` is one block. A longer one takes the
-  divisor in (128, 256] (else in [32, 128]) that leaves the block count with
-  the most factors of two, then the largest: 4096 gives 16 blocks of 256, 768
-  gives 4 of 192, 11008 gives 64 of 172, 32000 gives 128 of 250, so sharding
-  the axis 2, 4, 8... ways (up to the block count) splits it on block
-  boundaries. With no such divisor (50257, 4097) the axis is cut into
-  ``ceil(n / 256)`` blocks of ``ceil(n / n_blocks)``, the last one short.
-  """
-  n = shape[-1] if shape else 1
-  if n <= MAX_BLOCK:
-    return n, 1
-  sizes = (range(MAX_BLOCK // 2 + 1, MAX_BLOCK + 1), range(MIN_BLOCK, MAX_BLOCK // 2 + 1))
-  return _fit_blocks(n, MAX_BLOCK, sizes)
-
-
-def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Broadcasts each block's scale to its elements, in the leaf's ``shape``, so
-  that a kernel rewriting the codes reads the old ones where it writes."""
-  size, blocks = block_layout(shape)
-  lead = shape[:-1] if shape else ()
-  wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
-  return _unblocked(wide, shape[-1] if shape else 1).reshape(shape)
-
-
-def encode(
-  x: jax.Array,
-  sign: Sign,
-  key: jax.Array,
-  step: jax.Array,
-  scales: jax.Array | None = None,
-) -> EightBitMoment:
-  """Codes ``x`` (float32) in 8 bits per element and a float32 scale per block.
-
-  Args:
-    x: the moment leaf, float32, finite; under ``"nonnegative"``, negative
-      values code as zero.
-    sign: ``"signed"`` or ``"nonnegative"``: which code.
-    key: uint32 scalar, the leaf's key for random bits.
-    step: int32 scalar, the step the random bits are drawn for; it must change
-      every time the leaf is encoded anew (mpx passes the count of applied
-      steps).
-    scales: optional, float32 ``(*shape[:-1], n_blocks)``, the scales to code
-      against, as :func:`maxima` returns them (a first pass); by default
-      ``maxima(x, sign)``. An element larger than its block's scale codes to
-      the top level: it decodes to the scale.
-
-  Returns:
-    A ``Signed8bitMoment`` or ``Nonnegative8bitMoment`` (``STORED_TYPES[sign]``);
-    :func:`decode` turns it back into float32.
-  """
-  _check_sign(sign)
-  if scales is not None:
-    x = jnp.asarray(x, jnp.float32)
-    expected = (*x.shape[:-1], block_layout(x.shape)[1]) if x.ndim else (1,)
-    scales = jnp.asarray(scales, jnp.float32)
-    if scales.shape != expected:
-      raise ValueError(f"scales of shape {scales.shape}, expected {expected}")
-  codes, scales = _encode(sign, x, _salted(key, sign), step, scales)
-  return STORED_TYPES[sign](codes, scales)
-
-
-def maxima(x: jax.Array, sign: Sign) -> jax.Array:
-  """Returns the scales :func:`encode` computes for ``x`` (each block's largest
-  magnitude, signed; its largest value, at least 0, nonnegative), as its
-  ``scales=`` argument takes them."""
-  _check_sign(sign)
-  x = jnp.asarray(x, jnp.float32)
-  rows = _blocked(x.reshape((1,)) if x.ndim == 0 else x, *block_layout(x.shape))
-  return _block_max(rows, (rows.ndim - 1,), sign == "signed")
-
-
 def _region_values(x: jax.Array, bounds: list[int], values: list[int]) -> jax.Array:
   """Maps each int32 element of ``x`` to ``values[r]`` of the first region ``r``
   whose lower bound ``bounds[r]`` (descending) it reaches, else ``values[-1]``."""
@@ -246,109 +242,13 @@ def _region_values(x: jax.Array, bounds: list[int], values: list[int]) -> jax.Ar
   return out
 
 
-def _encode(
-  sign: Sign,
-  x: jax.Array,
-  key: jax.Array,
-  step: jax.Array,
-  given: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(codes, scales)`` of ``x`` in the code of ``sign``, with an
-  already salted ``key``, against the ``given`` scales (None: ``x``'s block
-  maxima)."""
-  code = CODES[sign]
-  x = jnp.asarray(x, jnp.float32)
-  shape = x.shape
-  zero = np.float32(0)
-  scales = maxima(x, sign) if given is None else given
-  if code.signed:
-    magnitude = jax.lax.abs(x)
-  else:
-    # Negative values (and -0.0, whose int32 bits would wrap below) code as 0.
-    magnitude = jax.lax.select(jax.lax.gt(x, zero), x, jnp.zeros_like(x))
-  # A true division: the block's largest element becomes exactly 1.0.
-  safe = jax.lax.select(scales > zero, scales, jnp.ones_like(scales))
-  a = jax.lax.div(magnitude, _expand(safe, shape))
-  if given is not None:
-    # Scales from another computation of ``x`` (a first pass, which XLA may
-    # contract ``a * b + c`` in differently) may sit an ulp below an element:
-    # its ratio, above 1, would code past the top level into the sign bit.
-    a = jax.lax.min(a, np.float32(1))
-  bits = _int32_bits(a)
-  layout = code.layout
-  bounds = [low for low, _, _ in layout[:-1]]
-  # In region r, level = base + ((bits - low + noise) >> shift), which is
-  # (bits + noise + (base << shift) - low) >> shift: an offset and a shift.
-  offset = _region_values(bits, bounds, [(c << sh) - low for low, c, sh in layout])
-  shift = _region_values(bits, bounds, [sh for _, _, sh in layout])
-  one = np.int32(1)
-  random = rounding.random_bits(key, step, shape)
-  mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
-  noise = jax.lax.bitwise_and(random.astype(jnp.int32), mask)
-  level = jax.lax.shift_right_arithmetic(jax.lax.add(jax.lax.add(bits, offset), noise), shift)
-  lowest = np.array(layout[-1][0], np.int32).view(np.float32)
-  if code.signed:
-    # Below the smallest level: to it with probability a / lowest, else to 0.
-    # Via int32 (the value fits 24 bits): uint32 to float32 does not vectorize.
-    uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
-    uniform = uniform.astype(jnp.float32)
-    threshold = jax.lax.mul(uniform, np.float32(lowest * 2.0**-24))
-    # As integers: the bits of non-negative floats order as their values (and
-    # then ``a`` is read only as bits, so XLA keeps it in registers).
-    small = jax.lax.gt(bits, _int32_bits(threshold))
-  else:
-    # Never to zero: a positive value below the smallest level takes it, even
-    # one whose ratio to the scale underflowed (so test x, not a).
-    small = jax.lax.gt(x, zero)
-  below = jax.lax.lt(bits, np.int32(layout[-1][0]))
-  level = jax.lax.select(below, small.astype(jnp.int32), level)
-  if code.signed:
-    negative = jax.lax.bitwise_and(jax.lax.lt(x, zero), jax.lax.gt(level, np.int32(0)))
-    level = jax.lax.bitwise_or(level, jax.lax.shift_left(negative.astype(jnp.int32), np.int32(7)))
-  return level.astype(jnp.uint8), scales
-
-
-def decode(stored: EightBitMoment) -> jax.Array:
-  """Returns the float32 leaf that ``stored`` codes: each level times its
-  block's scale, in the code its type names."""
-  code = CODES[sign_of(stored)]
-  codes, scales = jnp.asarray(stored.codes), jnp.asarray(stored.scales)
-  shape = codes.shape
-  _, blocks = block_layout(shape)
-  expected = (*shape[:-1], blocks)
-  if scales.shape != expected:
-    raise ValueError(
-      f"scales of shape {scales.shape} do not match codes of shape {shape}: expected {expected}"
-    )
-  k = codes.astype(jnp.int32)
-  magnitude = jax.lax.bitwise_and(k, np.int32(127)) if code.signed else k
-  layout = code.layout
-  bounds = [c for _, c, _ in layout[:-1]]
-  # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) + (k << shift).
-  offset = _region_values(magnitude, bounds, [low - (c << sh) for low, c, sh in layout])
-  shift = _region_values(magnitude, bounds, [sh for _, _, sh in layout])
-  bits = jax.lax.add(offset, jax.lax.shift_left(magnitude, shift))
-  if code.signed:
-    # The sign bit moves to float32's sign bit; the level's bits stay.
-    sign = jax.lax.shift_left(jax.lax.shift_right_logical(k, np.int32(7)), np.int32(31))
-    bits = jax.lax.bitwise_or(bits, sign)
-  level = jax.lax.bitcast_convert_type(bits, jnp.float32)
-  value = jax.lax.mul(level, _expand(scales, shape))
-  if not code.signed:
-    # A product below float32's normals would flush to zero: keep it positive.
-    value = jax.lax.max(value, jnp.full_like(value, _TINY))
-  return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
-
-
-def level_table(sign: Sign) -> np.ndarray:
-  """Returns the float32 level of each of the 256 codes of ``sign`` at scale 1
-  (the sign bit applied): what :func:`decode` computes, as a table."""
-  _check_sign(sign)
-  return _LEVEL_TABLES[sign].copy()
-
-
-def _level_table(code: _Code) -> np.ndarray:
-  """:func:`level_table` of any float-like ``code``, in numpy."""
+def level_table(sign: Sign, code: _Code | None = None) -> np.ndarray:
+  """Returns the float32 level of each of the 256 codes of ``sign`` (or of any
+  float-like ``code``) at scale 1, the sign bit applied: what
+  :meth:`EightBitCompressed.decompress` computes, as a table (numpy)."""
+  if sign not in SIGNS:
+    raise ValueError(f"sign must be one of {SIGNS}, got {sign!r}")
+  code = CODES[sign] if code is None else code
   k = np.arange(256, dtype=np.int64)
   magnitude = k & 127 if code.signed else k
   layout = code.layout
@@ -365,44 +265,654 @@ def _level_table(code: _Code) -> np.ndarray:
   return np.where(magnitude == 0, np.float32(0), levels).astype(np.float32)
 
 
-_LEVEL_TABLES = {sign: _level_table(CODES[sign]) for sign in SIGNS}
+_LEVEL_TABLES = {sign: level_table(sign) for sign in SIGNS}
 
 
-def decode_by_table(stored: EightBitMoment) -> jax.Array:
-  """Returns :func:`decode`'s values, bitwise, by a lookup in :func:`level_table`.
+# --- The 4-bit levels and packing ------------------------------------------------
 
-  A gather that XLA:GPU fuses as a cheap producer, where the arithmetic
-  decode's shifts and selects tip its cost model into writing a new moment
-  computed from it out in float32 (docs/design.md); its gather keeps XLA
-  from writing codes in place, so it serves a pass that writes no codes.
-  """
-  sign = sign_of(stored)
-  codes = jnp.asarray(stored.codes)
-  scales = jnp.asarray(stored.scales)
-  _, blocks = block_layout(codes.shape)
-  if scales.shape != (*codes.shape[:-1], blocks):
-    raise ValueError(f"scales of shape {scales.shape} do not match codes of shape {codes.shape}")
-  k = codes.astype(jnp.int32)
-  # A copy per call: JAX lowers one array object used twice as one constant.
-  level = compat.lookup(_LEVEL_TABLES[sign].copy(), k)
-  value = jax.lax.mul(level, _expand(scales, codes.shape))
-  magnitude = k
+_SIGN_BIT = 8  # the signed 4-bit code's sign, above its 3-bit magnitude
+
+
+def _de_magnitudes(bits: int = 3) -> np.ndarray:
+  """The dynamic-exponent map's magnitudes for ``bits`` bits after the sign:
+  ``e`` leading zeros, an indicator bit, ``bits - 1 - e`` fraction bits over
+  [0.1, 1] at decade ``10**-e`` (bin midpoints), and zero; divided by the
+  largest, ascending, float64."""
+  out = [0.0]
+  for e in range(bits):
+    f = bits - 1 - e
+    out += [10.0**-e * (0.1 + 0.9 * (j + 0.5) / 2**f) for j in range(2**f)]
+  levels = np.sort(np.asarray(out))
+  return levels / levels[-1]
+
+
+# The signed 4-bit code's magnitudes, index = the code's low 3 bits: 0 and 7
+# levels up to 1.0 (0.0062, 0.0366, 0.0873, 0.2394, 0.4930, 0.7465, 1).
+SIGNED_LEVELS_4BIT = _de_magnitudes().astype(np.float32)
+
+# The nonnegative 4-bit code is float-like: level ``k >= 1`` is the float32 whose
+# bits are ``(k + _FLOAT_BASE) << _FLOAT_SHIFT`` (one mantissa bit: ``2**-7`` is
+# ``240 << 22``, 1.0 is ``254 << 22``), coded and decoded on the bits.
+_FLOAT_SHIFT = 22
+_FLOAT_BASE = 239
+# Its levels, index = the code: 0 (only for x <= 0), then 15 levels up to 1.0:
+# 2**-7, 0.0117, 2**-6, ..., 0.375, 0.5, 0.75, 1.
+NONNEGATIVE_LEVELS_4BIT = (
+  np.concatenate([[0], np.arange(_FLOAT_BASE + 1, _FLOAT_BASE + 16) << _FLOAT_SHIFT])
+  .astype(np.int32)
+  .view(np.float32)
+)
+
+
+class _Layout(NamedTuple):
+  """Where a 4-bit leaf puts its elements: the first ``body`` (even) of each row
+  in ``blocks`` blocks of ``size`` along the last axis, then ``tail`` (0 or 1)
+  last element stored in float32; codes packed ``per`` together: 8, a uint32
+  word, where every block's codes fill whole words (so that a shard of the
+  last axis on block boundaries holds whole words), else 2, a byte."""
+
+  lead: tuple[int, ...]
+  n: int
+  body: int
+  size: int
+  blocks: int
+  tail: int
+  per: int
+
+  @classmethod
+  def of(cls, shape: tuple[int, ...]) -> _Layout:
+    """The layout of a float32 leaf of ``shape``; refuses a leaf with no axis or
+    no element."""
+    if not shape or math.prod(shape) == 0:
+      raise ValueError(f"4-bit codes take a leaf of one or more axes and elements, got {shape}")
+    *lead, n = shape
+    body = n - n % 2
+    size, blocks = block_layout_4bit(body)
+    per = 8 if size % 8 == 0 and body % 8 == 0 else 2
+    return cls(tuple(lead), n, body, size, blocks, n % 2, per)
+
+  @classmethod
+  def of_codes(cls, codes_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> _Layout:
+    """The layout whose codes and scales have these shapes: ``n`` is odd where
+    the scales hold one more entry a row than the blocks."""
+    *lead, pairs = codes_shape
+    _, blocks = block_layout_4bit(2 * pairs)
+    if tuple(scales_shape[:-1]) != tuple(lead) or scales_shape[-1] not in (blocks, blocks + 1):
+      raise ValueError(
+        f"scales of shape {scales_shape} do not match codes of shape {codes_shape}: expected "
+        f"{(*lead, blocks)} (an even last axis) or {(*lead, blocks + 1)} (an odd one)"
+      )
+    return cls.of((*lead, 2 * pairs + scales_shape[-1] - blocks))
+
+
+def _with_tail(scales: jax.Array, x: jax.Array, sign: Sign, layout: _Layout) -> jax.Array:
+  """``scales``' first ``layout.blocks`` per row then, for an odd row, its last
+  element as stored: itself, signed; nonnegative, at least the smallest normal
+  if positive (read from the bits, so that a positive subnormal counts even
+  where the hardware flushes it to zero), 0 if not positive."""
+  if not layout.tail:
+    return scales
+  tail = x[..., layout.body :]
   if sign == "nonnegative":
-    value = jax.lax.max(value, jnp.full_like(value, _TINY))
-  else:
-    magnitude = jax.lax.bitwise_and(k, np.int32(127))
-  return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
+    kept = jax.lax.max(tail, jnp.full_like(tail, _TINY))
+    positive = jax.lax.gt(jax.lax.bitcast_convert_type(tail, jnp.int32), np.int32(0))
+    tail = jax.lax.select(positive, kept, jnp.zeros_like(tail))
+  return jnp.concatenate([scales[..., : layout.blocks], tail], axis=-1)
 
 
-def encode_bfloat16(x: jax.Array, key: jax.Array, step: jax.Array) -> jax.Array:
-  """Rounds ``x`` (float32) to bfloat16, up or down in magnitude at random with
-  probability proportional to the distance (unbiased). Magnitudes beyond
-  bfloat16's largest finite value saturate at it."""
-  x = rounding.canonical(jnp.asarray(x, jnp.float32))
-  bits = rounding.random_bits(_salted(key, "bfloat16"), step, x.shape)
-  return rounding.stochastic_round(x, bits)
+def _round(a: jax.Array, levels: np.ndarray, u: jax.Array) -> jax.Array:
+  """The index of ``a`` (at least 0) among ``levels`` (ascending, from 0 to 1;
+  above 1, the top): the one below or above with probabilities proportional
+  to the distance to the other (unbiased), for ``u`` uniform in [0, 1).
+
+  A count of the thresholds ``levels[k - 1] + u * (levels[k] - levels[k -
+  1])`` that ``a`` reaches, which ``a`` in ``[levels[j], levels[j + 1])``
+  reaches for every ``k <= j`` and, for ``k = j + 1``, with probability ``(a -
+  levels[j]) / (levels[j + 1] - levels[j])``. Compared as int32 bits
+  (non-negative floats order as their bits), so that ``a`` has one user,
+  which XLA fuses its division into."""
+  bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+  index = jnp.zeros(a.shape, jnp.int32)
+  for low, high in itertools.pairwise(levels):
+    threshold = jax.lax.add(jax.lax.mul(u, np.float32(high - low)), np.float32(low))
+    reached = jax.lax.ge(bits, jax.lax.bitcast_convert_type(threshold, jnp.int32))
+    index = jax.lax.add(index, reached.astype(jnp.int32))
+  return index
 
 
-def decode_bfloat16(x: jax.Array) -> jax.Array:
-  """Returns a bfloat16 moment in float32 (exact)."""
-  return jnp.asarray(x).astype(jnp.float32)
+def _select_level(index: jax.Array, table: np.ndarray) -> jax.Array:
+  """``table[index]`` for a small constant table (a power of two long), as a
+  tree of selects on the bits of ``index``: for 8 entries 7 selects on 3 bit
+  tests, where a chain takes 7 selects on 7 comparisons."""
+  # Like index, its sharding too (an explicit mesh refuses a select of mixed ones).
+  level = [jax.lax.full_like(index, value, jnp.float32) for value in table]
+  bit = 0
+  while len(level) > 1:
+    on = jax.lax.ne(jax.lax.bitwise_and(index, np.int32(1 << bit)), np.int32(0))
+    level = [jax.lax.select(on, hi, lo) for lo, hi in zip(level[0::2], level[1::2], strict=True)]
+    bit += 1
+  return level[0]
+
+
+def _at_least_tiny(value: jax.Array, k: jax.Array) -> jax.Array:
+  """A nonnegative ``value`` kept at least float32's smallest normal (a product
+  below it would flush to zero), and 0 where its code ``k`` is 0. On the int32
+  bits (the product is not negative): one instruction, where float32's
+  NaN-propagating maximum takes three."""
+  bits = jax.lax.bitcast_convert_type(value, jnp.int32)
+  bits = jax.lax.max(bits, np.int32(_TINY.view(np.int32)))
+  value = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  return jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
+
+
+def _pack(codes: jax.Array, per: int | None = None) -> jax.Array:
+  """int32 codes in [0, 16), an even count along the last axis, two a byte:
+  element ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high one.
+
+  ``per`` codes at a time (by default 8 where the count allows, else 2), as a
+  reduction over each group of ``code << 4 * position``, not strided slices:
+  XLA:CPU then emits one loop over the groups that LLVM vectorizes (with the
+  slices the loop stays scalar). Eight make a uint32 word, split into its
+  bytes (little-endian: the same bytes) by a small second pass; a loop over
+  words reads a moment decoded from words (``_unpack``) a vector at a time,
+  where a loop over bytes would gather its words. XLA:CPU's form:
+  accelerators pack by a bitcast (``_pack_by_bitcast``)."""
+  *lead, n = codes.shape
+  per = per or (8 if n % 8 == 0 else 2)
+  groups = codes.reshape((*lead, n // per, per))
+  last = groups.ndim - 1
+  shift = jax.lax.mul(jax.lax.broadcasted_iota(jnp.int32, groups.shape, last), np.int32(4))
+  packed = jax.lax.reduce(
+    jax.lax.shift_left(groups, shift), np.int32(0), jax.lax.bitwise_or, (last,)
+  )
+  if per == 2:
+    return packed.astype(jnp.uint8)
+  words = jax.lax.bitcast_convert_type(packed, jnp.uint32)
+  return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape((*lead, n // 2))
+
+
+def _pack_by_bitcast(codes: jax.Array) -> jax.Array:
+  """``_pack(codes)`` as a bitcast of uint4 pairs: element ``2i`` in the low
+  nibble of byte ``i`` (XLA's order for a bitcast to a wider type)."""
+  *lead, n = codes.shape
+  pairs = codes.astype(jnp.uint4).reshape((*lead, n // 2, 2))
+  return jax.lax.bitcast_convert_type(pairs, jnp.uint8)
+
+
+def _unpack(codes: jax.Array, per: int | None = None) -> jax.Array:
+  """The int32 codes of a packed uint8 array, twice as many along the last
+  axis: each group (a byte, or with ``per = 8`` a uint32 word of four bytes;
+  by default words where the count allows) broadcast to its codes and shifted,
+  in one loop fusion with what uses them (no concatenation, which XLA:CPU
+  writes out as an int32 array). A loop over elements reads a word per vector
+  of 8 lanes (``element >> 3`` is the same across the vector: one load and a
+  broadcast), a byte per lane. The words take a small pass of their own
+  (uint32, half a byte an element, written out)."""
+  k = jnp.asarray(codes)
+  *lead, n_bytes = k.shape
+  per = per or (8 if n_bytes % 4 == 0 else 2)
+  if per == 8:
+    k = jax.lax.bitcast_convert_type(k.reshape((*lead, n_bytes // 4, 4)), jnp.uint32)
+  k = k.astype(jnp.int32)
+  wide = jax.lax.broadcast_in_dim(k, (*k.shape, per), tuple(range(k.ndim)))
+  shift = jax.lax.mul(jax.lax.broadcasted_iota(jnp.int32, wide.shape, k.ndim), np.int32(4))
+  nibbles = jax.lax.bitwise_and(jax.lax.shift_right_logical(wide, shift), np.int32(15))
+  return nibbles.reshape((*lead, 2 * n_bytes))
+
+
+def _unpack_by_bitcast(codes: jax.Array) -> jax.Array:
+  """``_unpack(codes)`` as a bitcast to uint4 pairs (see ``_pack_by_bitcast``)."""
+  nibbles = jax.lax.bitcast_convert_type(codes, jnp.uint4)
+  return nibbles.reshape((*codes.shape[:-1], 2 * codes.shape[-1])).astype(jnp.int32)
+
+
+def kept_codes(applied: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+  """Returns the packed 4-bit codes ``new`` where ``applied``, else ``old``,
+  selected as uint4 pairs: XLA:GPU then fuses the select into the kernel that
+  codes ``new`` (packed by ``_pack_by_bitcast``) and writes it in place, where
+  a select of the packed bytes is a kernel of its own that reads the new codes
+  back from scratch (docs/design.md, "Compressed moments at the byte floor")."""
+  new, old = (jax.lax.bitcast_convert_type(c, jnp.uint4) for c in (new, old))
+  codes = jnp.where(applied, new, old)
+  return jax.lax.bitcast_convert_type(codes, jnp.uint8)
+
+
+# --- The moment kinds ------------------------------------------------------------
+
+
+class MomentKind(Protocol):
+  """Stores one leaf of the inner state between steps: ``decompress`` before
+  the inner rule runs, ``compress`` after it, both inside the skip."""
+
+  @property
+  def compressed(self) -> bool:
+    """Tells whether what is stored differs from the leaf the inner rule made."""
+    ...
+
+  def stored_like(self, leaf: Any) -> Any:
+    """Returns the abstract stored form of ``leaf`` (a shape and dtype)."""
+    ...
+
+  def decompress(self, stored: Any) -> Any:
+    """Returns the leaf, as the inner rule made it (float32), from ``stored``."""
+    ...
+
+  def compress(self, value: Any, applied_steps: jax.Array) -> Any:
+    """Returns the stored form of ``value``; ``applied_steps`` (the count of
+    applied steps) draws the random bits."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Uncompressed:
+  """Keeps a leaf of the inner state as the inner rule made it."""
+
+  compressed = False
+
+  def stored_like(self, leaf: Any) -> Any:
+    return leaf
+
+  def decompress(self, stored: Any) -> Any:
+    return stored
+
+  def compress(self, value: Any, applied_steps: jax.Array) -> Any:
+    del applied_steps
+    return value
+
+
+UNCOMPRESSED = Uncompressed()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bfloat16Compressed:
+  """Stores a float32 leaf as a ``Bfloat16Moment``, rounded stochastically with
+  the leaf's ``key``."""
+
+  key: int
+  compressed = True
+
+  def stored_like(self, leaf: Any) -> Any:
+    like: Any = jax.ShapeDtypeStruct(np.shape(leaf), jnp.bfloat16)
+    return Bfloat16Moment(like)
+
+  def decompress(self, stored: Bfloat16Moment) -> jax.Array:
+    """Returns the moment in float32 (exact)."""
+    return jnp.asarray(stored.values).astype(jnp.float32)
+
+  def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Bfloat16Moment:
+    """Rounds ``value`` (float32) to bfloat16, up or down in magnitude at random
+    with probability proportional to the distance (unbiased), with ``key``
+    (None: the kind's). Magnitudes beyond bfloat16's largest finite value
+    saturate at it."""
+    x = rounding.canonical(jnp.asarray(value, jnp.float32))
+    bits = rounding.random_bits(_salted(key, self.key, "bfloat16"), applied_steps, x.shape)
+    return Bfloat16Moment(rounding.stochastic_round(x, bits))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaledKind:
+  """Stores a float32 leaf in a code of its ``sign`` against a float32 scale per
+  block along the last axis, rounded stochastically with the leaf's ``key``:
+  the 8- and 4-bit kinds, alike but for their levels and layout. The
+  accelerator's step codes them in two passes (``moments.first_pass``): the
+  new moment's block maxima first (:meth:`maxima`, or a joint reduction over
+  :meth:`magnitude`), then the codes against them (:meth:`compress_against`).
+  docs/design.md, "Compressed moments at the byte floor"."""
+
+  key: int
+  sign: Sign
+  compressed = True
+
+  def stored_like(self, leaf: Any) -> Any:
+    """Returns the abstract stored form of ``leaf`` (its codes' and scales' shapes)."""
+    raise NotImplementedError
+
+  def block_size(self, shape: tuple[int, ...]) -> int | None:
+    """Returns the block size where the blocks tile the last axis exactly (then
+    each block's scale is the largest :meth:`magnitude` of its elements), else None."""
+    raise NotImplementedError
+
+  def maxima(self, value: jax.Array) -> jax.Array:
+    """Returns the scales :meth:`compress` would store for ``value``, as
+    :meth:`compress_against` takes them."""
+    raise NotImplementedError
+
+  def compress_against(
+    self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
+  ) -> Any:
+    """Returns the stored form of ``value`` (float32, finite) coded against
+    ``scales`` (None: :meth:`maxima`'s, in the same pass); an element above
+    its block's scale takes the top level. ``applied_steps`` and ``key``
+    (None: the kind's) draw the random bits: the step must change every time
+    the leaf is coded anew."""
+    raise NotImplementedError
+
+  def decompress(self, stored: Any) -> jax.Array:
+    """Returns the float32 leaf that ``stored`` codes: each level times its scale."""
+    raise NotImplementedError
+
+  def decompress_once(self, stored: Any) -> jax.Array:
+    """Returns :meth:`decompress`'s values, bitwise, by a table lookup: a gather
+    that XLA:GPU fuses as a cheap producer into a reduction over the moment
+    computed from it, where the arithmetic decode's shifts and selects tip
+    its cost model into writing that moment out in float32; the gather keeps
+    XLA from writing codes in place, so it serves a pass that writes no codes
+    (docs/design.md, "Compressed moments at the byte floor")."""
+    raise NotImplementedError
+
+  def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Any:
+    return self.compress_against(value, applied_steps, None, key)
+
+  def magnitude(self, value: jax.Array) -> jax.Array:
+    """Returns what a block's scale is the largest of, elementwise: ``|value|``
+    (signed) or ``max(value, 0)`` (nonnegative); 0 for an empty or
+    non-positive block."""
+    if self.sign == "signed":
+      return jax.lax.abs(value)
+    return jax.lax.max(value, jnp.zeros_like(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class EightBitCompressed(BlockScaledKind):
+  """The 8-bit code (a ``Signed8bitMoment`` or ``Nonnegative8bitMoment``): a
+  uint8 level per element, of the float-like code ``CODES[sign]``, and a
+  float32 scale per block of :func:`block_layout`."""
+
+  def stored_like(self, leaf: Any) -> Any:
+    shape = tuple(np.shape(leaf))
+    _, blocks = block_layout(shape)
+    codes: Any = jax.ShapeDtypeStruct(shape, jnp.uint8)
+    scales: Any = jax.ShapeDtypeStruct((*shape[:-1], blocks) if shape else (1,), jnp.float32)
+    return STORED_TYPES[self.sign](codes, scales)
+
+  def block_size(self, shape: tuple[int, ...]) -> int | None:
+    size, blocks = block_layout(shape)
+    return size if shape and size * blocks == shape[-1] else None
+
+  def maxima(self, value: jax.Array) -> jax.Array:
+    """Returns each block's largest magnitude (signed) or largest value, at
+    least 0 (nonnegative): float32 ``(*shape[:-1], n_blocks)``."""
+    x = jnp.asarray(value, jnp.float32)
+    rows = x.reshape((1,)) if x.ndim == 0 else x
+    return _block_max(rows, *block_layout(x.shape), self.sign == "signed")
+
+  def compress_against(
+    self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
+  ) -> EightBitMoment:
+    code = CODES[self.sign]
+    x = jnp.asarray(value, jnp.float32)
+    shape = x.shape
+    given = scales is not None
+    if given:
+      expected = (*shape[:-1], block_layout(shape)[1]) if x.ndim else (1,)
+      scales = jnp.asarray(scales, jnp.float32)
+      if scales.shape != expected:
+        raise ValueError(f"scales of shape {scales.shape}, expected {expected}")
+    key = _salted(key, self.key, self.sign)
+    zero = np.float32(0)
+    scales = self.maxima(x) if scales is None else scales
+    if code.signed:
+      magnitude = jax.lax.abs(x)
+    else:
+      # Negative values (and -0.0, whose int32 bits would wrap below) code as 0.
+      magnitude = jax.lax.select(jax.lax.gt(x, zero), x, jnp.zeros_like(x))
+    # A true division: the block's largest element becomes exactly 1.0.
+    safe = jax.lax.select(scales > zero, scales, jnp.ones_like(scales))
+    a = jax.lax.div(magnitude, _expand(safe, shape))
+    if given:
+      # Scales from another computation of ``x`` (a first pass, which XLA may
+      # contract ``a * b + c`` in differently) may sit an ulp below an element:
+      # its ratio, above 1, would code past the top level into the sign bit.
+      a = jax.lax.min(a, np.float32(1))
+    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+    layout = code.layout
+    bounds = [low for low, _, _ in layout[:-1]]
+    # In region r, level = base + ((bits - low + noise) >> shift), which is
+    # (bits + noise + (base << shift) - low) >> shift: an offset and a shift.
+    offset = _region_values(bits, bounds, [(c << sh) - low for low, c, sh in layout])
+    shift = _region_values(bits, bounds, [sh for _, _, sh in layout])
+    one = np.int32(1)
+    random = rounding.random_bits(key, applied_steps, shape)
+    mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
+    noise = jax.lax.bitwise_and(random.astype(jnp.int32), mask)
+    level = jax.lax.shift_right_arithmetic(jax.lax.add(jax.lax.add(bits, offset), noise), shift)
+    lowest = np.array(layout[-1][0], np.int32).view(np.float32)
+    if code.signed:
+      # Below the smallest level: to it with probability a / lowest, else to 0.
+      # Via int32 (the value fits 24 bits): uint32 to float32 does not vectorize.
+      uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
+      uniform = uniform.astype(jnp.float32)
+      threshold = jax.lax.mul(uniform, np.float32(lowest * 2.0**-24))
+      # As integers: the bits of non-negative floats order as their values (and
+      # then ``a`` is read only as bits, so XLA keeps it in registers).
+      small = jax.lax.gt(bits, jax.lax.bitcast_convert_type(threshold, jnp.int32))
+    else:
+      # Never to zero: a positive value below the smallest level takes it, even
+      # one whose ratio to the scale underflowed (so test x, not a).
+      small = jax.lax.gt(x, zero)
+    below = jax.lax.lt(bits, np.int32(layout[-1][0]))
+    level = jax.lax.select(below, small.astype(jnp.int32), level)
+    if code.signed:
+      negative = jax.lax.bitwise_and(jax.lax.lt(x, zero), jax.lax.gt(level, np.int32(0)))
+      level = jax.lax.bitwise_or(level, jax.lax.shift_left(negative.astype(jnp.int32), np.int32(7)))
+    return STORED_TYPES[self.sign](level.astype(jnp.uint8), scales)
+
+  def decompress(self, stored: EightBitMoment) -> jax.Array:
+    """Returns the float32 leaf that ``stored`` codes: each level times its
+    block's scale."""
+    code = CODES[self.sign]
+    codes, scales = jnp.asarray(stored.codes), jnp.asarray(stored.scales)
+    shape = codes.shape
+    _, blocks = block_layout(shape)
+    expected = (*shape[:-1], blocks)
+    if scales.shape != expected:
+      raise ValueError(
+        f"scales of shape {scales.shape} do not match codes of shape {shape}: expected {expected}"
+      )
+    k = codes.astype(jnp.int32)
+    magnitude = jax.lax.bitwise_and(k, np.int32(127)) if code.signed else k
+    layout = code.layout
+    bounds = [c for _, c, _ in layout[:-1]]
+    # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) + (k << shift).
+    offset = _region_values(magnitude, bounds, [low - (c << sh) for low, c, sh in layout])
+    shift = _region_values(magnitude, bounds, [sh for _, _, sh in layout])
+    bits = jax.lax.add(offset, jax.lax.shift_left(magnitude, shift))
+    if code.signed:
+      # The sign bit moves to float32's sign bit; the level's bits stay.
+      sign = jax.lax.shift_left(jax.lax.shift_right_logical(k, np.int32(7)), np.int32(31))
+      bits = jax.lax.bitwise_or(bits, sign)
+    level = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    value = jax.lax.mul(level, _expand(scales, shape))
+    if not code.signed:
+      # A product below float32's normals would flush to zero: keep it positive.
+      value = jax.lax.max(value, jnp.full_like(value, _TINY))
+    return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
+
+  def decompress_once(self, stored: EightBitMoment) -> jax.Array:
+    codes = jnp.asarray(stored.codes)
+    scales = jnp.asarray(stored.scales)
+    _, blocks = block_layout(codes.shape)
+    if scales.shape != (*codes.shape[:-1], blocks):
+      raise ValueError(f"scales of shape {scales.shape} do not match codes of shape {codes.shape}")
+    k = codes.astype(jnp.int32)
+    # A copy per call: JAX lowers one array object used twice as one constant.
+    level = lookup(_LEVEL_TABLES[self.sign].copy(), k)
+    value = jax.lax.mul(level, _expand(scales, codes.shape))
+    magnitude = k
+    if self.sign == "nonnegative":
+      value = jax.lax.max(value, jnp.full_like(value, _TINY))
+    else:
+      magnitude = jax.lax.bitwise_and(k, np.int32(127))
+    return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
+
+
+@dataclasses.dataclass(frozen=True)
+class FourBitCompressed(BlockScaledKind):
+  """The 4-bit code (a ``Signed4bitMoment`` or ``Nonnegative4bitMoment``): two
+  codes a byte and a float32 scale per block of :func:`block_layout_4bit`,
+  then an odd row's last element in float32 (docs/moment_codes.md, "4
+  bits"). To nearest, a slow average's steps (Lion's ``mu`` moves 1% a step)
+  would fall between its levels and the moment stall."""
+
+  def stored_like(self, leaf: Any) -> Any:
+    layout = _Layout.of(tuple(np.shape(leaf)))
+    codes: Any = jax.ShapeDtypeStruct((*layout.lead, layout.body // 2), jnp.uint8)
+    scales: Any = jax.ShapeDtypeStruct((*layout.lead, layout.blocks + layout.tail), jnp.float32)
+    return STORED_TYPES_4BIT[self.sign](codes, scales)
+
+  def block_size(self, shape: tuple[int, ...]) -> int | None:
+    n = shape[-1] if shape else 0
+    size, blocks = block_layout_4bit(n - n % 2)
+    return size if n % 2 == 0 and size * blocks == n else None
+
+  def maxima(self, value: jax.Array) -> jax.Array:
+    """Returns float32 ``(*lead, n_blocks + n % 2)``: each row's block maxima
+    (the largest magnitude, signed; the largest value, at least 0,
+    nonnegative), then for an odd row its last element as stored. Along the
+    last axis only: nothing is reduced across rows."""
+    x = jnp.asarray(value, jnp.float32)
+    layout = _Layout.of(x.shape)
+    # Blocks of words (8 codes) as they are: a moment decoded from words
+    # (``_unpack``) in here reads a word a vector. Else each block as (size /
+    # 2) pairs: the reduction's inner loops then run over a pair and over the
+    # bytes, which it reads a vector at a time.
+    body = x[..., : layout.body]
+    signed = self.sign == "signed"
+    scales = _block_max(body, layout.size, layout.blocks, signed, pairs=layout.per != 8)
+    return _with_tail(scales, x, self.sign, layout)
+
+  def compress_against(
+    self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
+  ) -> FourBitMoment:
+    """As :meth:`BlockScaledKind.compress_against`; an odd row's last element
+    (the last entry of each row of ``scales``) is taken from ``value`` whatever
+    is given."""
+    x = jnp.asarray(value, jnp.float32)
+    layout = _Layout.of(x.shape)
+    key = _salted(key, self.key, f"4bit {self.sign}")
+    if scales is None:
+      block_max = self.maxima(x)
+    else:
+      block_max = jnp.asarray(scales, jnp.float32)
+      expected = (*layout.lead, layout.blocks + layout.tail)
+      if block_max.shape != expected:
+        raise ValueError(f"scales of shape {block_max.shape}, expected {expected}")
+      block_max = _with_tail(block_max, x, self.sign, layout)
+    if not layout.body:
+      return STORED_TYPES_4BIT[self.sign](jnp.zeros((*layout.lead, 0), jnp.uint8), block_max)
+    scale = _spread(block_max[..., : layout.blocks], layout.size, layout.body)
+    body = x[..., : layout.body]
+    # Each element's code against its block's scale, rounded at random: one
+    # loop fusion with the packing. The ratio |body| / scale (a scale of 0
+    # divides by 1) is not clamped: a scale below the magnitude gives a ratio
+    # above 1, which the rounding takes to the top level, never a wrap. A true
+    # division, so that a block's largest element gives exactly 1; the select
+    # is per element, after the broadcast, so that XLA does not turn the
+    # division by a broadcast into a product by a reciprocal. Of |body| for
+    # either sign: a value that is not positive is zeroed below under the
+    # nonnegative code. (Dividing the body itself, XLA:CPU writes it out in
+    # float32 instead of fusing its computation, e.g. Adam's new moment, in
+    # here.)
+    magnitude = jax.lax.abs(body)
+    safe = jax.lax.select(jax.lax.gt(scale, np.float32(0)), scale, jnp.ones_like(scale))
+    a = jax.lax.div(magnitude, safe)
+    # The top bits of each element's random bits, drawn for the whole leaf: 24
+    # for a uniform float (signed), _FLOAT_SHIFT to add below the float-like
+    # code's mantissa bit. Via int32: uint32 to float32 does not vectorize on CPU.
+    random = rounding.random_bits(key, jnp.asarray(applied_steps, jnp.int32), x.shape)
+    if layout.tail:
+      random = jax.lax.slice_in_dim(random, 0, layout.body, axis=x.ndim - 1)
+    top = 24 if self.sign == "signed" else _FLOAT_SHIFT
+    random = jax.lax.shift_right_logical(random, np.uint32(32 - top)).astype(jnp.int32)
+    if self.sign == "signed":
+      u = jax.lax.mul(random.astype(jnp.float32), np.float32(2.0**-24))
+      index = _round(a, SIGNED_LEVELS_4BIT, u)
+      negative = jax.lax.bitwise_and(
+        jax.lax.lt(body, np.float32(0)), jax.lax.gt(index, np.int32(0))
+      )
+      sign_bit = jax.lax.mul(negative.astype(jnp.int32), np.int32(_SIGN_BIT))
+      codes = jax.lax.bitwise_or(index, sign_bit)
+    else:
+      # The float-like code: the random bits added below the one mantissa bit
+      # kept (they round up with probability ``(a - low) / (high - low)``), then
+      # the exponent and that bit read as the code; below ``2**-7`` (an ``a``
+      # that underflowed included) to the smallest level, never to zero, above
+      # 1 to the top. 0 only for a body element <= 0, read from the bits (a
+      # positive subnormal counts).
+      a_bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+      rounded = jax.lax.shift_right_arithmetic(jax.lax.add(a_bits, random), np.int32(_FLOAT_SHIFT))
+      t = jax.lax.clamp(np.int32(_FLOAT_BASE + 1), rounded, np.int32(_FLOAT_BASE + 15))
+      index = jax.lax.sub(t, np.int32(_FLOAT_BASE))
+      positive = jax.lax.gt(jax.lax.bitcast_convert_type(body, jnp.int32), np.int32(0))
+      codes = jax.lax.select(positive, index, jnp.zeros_like(index))
+    # On accelerators (the same bytes) by a bitcast of uint4 pairs, the view in
+    # which the step reads and keeps the codes, so that XLA:GPU writes them in
+    # place (docs/design.md, "Compressed moments at the byte floor").
+    pack = functools.partial(_pack, per=layout.per)
+    codes = lowering.by_platform(codes, cpu=pack, accelerator=_pack_by_bitcast)
+    return STORED_TYPES_4BIT[self.sign](codes, block_max)
+
+  def decompress(self, stored: FourBitMoment) -> jax.Array:
+    """Returns the float32 leaf that ``stored`` codes, in the shape that was
+    coded: each level times its scale."""
+    codes = jnp.asarray(stored.codes)
+    scales = jnp.asarray(stored.scales, jnp.float32)
+    layout = _Layout.of_codes(codes.shape, scales.shape)
+    tail = scales[..., layout.blocks :]
+    if not layout.body:
+      return tail
+    if layout.tail:
+      # Codes and scales over all n columns, the last one's a padding code and
+      # some scale, replaced by the tail below: no concatenation or pad of the
+      # decoded floats, which XLA:CPU would write out in float32.
+      group = 4 if layout.per == 8 else 1  # bytes unpacked together
+      padded = -(-(codes.shape[-1] + 1) // group) * group
+      widen = [(0, 0, 0)] * (codes.ndim - 1) + [(0, padded - codes.shape[-1], 0)]
+      codes = jax.lax.pad(codes, np.uint8(0), widen)
+      k = jax.lax.slice_in_dim(_unpack(codes, layout.per), 0, layout.n, axis=codes.ndim - 1)
+      scale = _spread(scales, layout.size, layout.n)
+    else:
+      # On accelerators by a bitcast to uint4 pairs, the view in which
+      # ``kept_codes`` selects the new codes: read and written alike, XLA writes
+      # the new codes over the old ones in place (read as bytes, it copies).
+      unpack = functools.partial(_unpack, per=layout.per)
+      k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
+      scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
+    if self.sign == "signed":
+      magnitude = _select_level(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), SIGNED_LEVELS_4BIT)
+      # The code's sign bit moves to float32's: -level, exactly.
+      sign = jax.lax.shift_left(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT)), np.int32(28))
+      bits = jax.lax.bitwise_or(jax.lax.bitcast_convert_type(magnitude, jnp.int32), sign)
+      value = jax.lax.mul(jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
+    else:
+      # The float-like level from the code's bits (code 0 gives a tiny positive
+      # float, zeroed below).
+      bits = jax.lax.shift_left(jax.lax.add(k, np.int32(_FLOAT_BASE)), np.int32(_FLOAT_SHIFT))
+      value = jax.lax.mul(jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
+      value = _at_least_tiny(value, k)
+    if layout.tail:
+      last = value.ndim - 1
+      at_tail = jax.lax.eq(
+        jax.lax.broadcasted_iota(jnp.int32, value.shape, last), np.int32(layout.body)
+      )
+      tail = jax.lax.broadcast_in_dim(tail, value.shape, tuple(range(value.ndim)))
+      value = jax.lax.select(at_tail, tail, value)
+    return value
+
+  def decompress_once(self, stored: FourBitMoment) -> jax.Array:
+    """As :meth:`BlockScaledKind.decompress_once`, each code's level looked up
+    in a table of 16 (an odd last axis: :meth:`decompress` itself)."""
+    codes = jnp.asarray(stored.codes)
+    scales = jnp.asarray(stored.scales, jnp.float32)
+    layout = _Layout.of_codes(codes.shape, scales.shape)
+    if layout.tail or not layout.body:
+      return self.decompress(stored)
+    unpack = functools.partial(_unpack, per=layout.per)  # as in decompress
+    k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
+    scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
+    # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
+    signed = self.sign == "signed"
+    levels = SIGNED_LEVELS_4BIT
+    table = np.concatenate([levels, -levels]) if signed else NONNEGATIVE_LEVELS_4BIT
+    value = jax.lax.mul(lookup(table.astype(np.float32), k), scale)
+    return value if signed else _at_least_tiny(value, k)

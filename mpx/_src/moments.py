@@ -11,16 +11,24 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import adapters, lowering, moment_codes, rounding, storage, validation, verdict
-from mpx._src import moment_codes_4bit as codes_4bit
 from mpx._src import tree as tree_lib
-from mpx._src.moment_codes import SIGNS, Sign
+from mpx._src.moment_codes import (
+  SIGNS,
+  UNCOMPRESSED,
+  Bfloat16Compressed,
+  BlockScaledKind,
+  EightBitCompressed,
+  FourBitCompressed,
+  MomentKind,
+  Sign,
+)
 from mpx._src.states import (
   COMPRESSED_MOMENTS,
   Bfloat16Moment,
@@ -43,159 +51,6 @@ MIN_ROW_8BIT = 16
 # Moment keys are drawn apart from the masters' keys (rounding.leaf_key on
 # the param index) by salting the seed.
 _SEED_SALT = 0x5BD1E995
-
-
-class MomentKind(Protocol):
-  """Stores one leaf of the inner state between steps: ``decompress`` before
-  the inner rule runs, ``compress`` after it, both inside the skip."""
-
-  @property
-  def compressed(self) -> bool:
-    """Tells whether what is stored differs from the leaf the inner rule made."""
-    ...
-
-  def stored_like(self, leaf: Any) -> Any:
-    """Returns the abstract stored form of ``leaf`` (a shape and dtype)."""
-    ...
-
-  def decompress(self, stored: Any) -> Any:
-    """Returns the leaf, as the inner rule made it (float32), from ``stored``."""
-    ...
-
-  def compress(self, value: Any, applied_steps: jax.Array) -> Any:
-    """Returns the stored form of ``value``; ``applied_steps`` (the count of
-    applied steps) draws the random bits."""
-    ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Uncompressed:
-  """Keeps a leaf of the inner state as the inner rule made it."""
-
-  compressed = False
-
-  def stored_like(self, leaf: Any) -> Any:
-    return leaf
-
-  def decompress(self, stored: Any) -> Any:
-    return stored
-
-  def compress(self, value: Any, applied_steps: jax.Array) -> Any:
-    del applied_steps
-    return value
-
-
-UNCOMPRESSED = Uncompressed()
-
-
-@dataclasses.dataclass(frozen=True)
-class Bfloat16Compressed:
-  """Stores a float32 leaf as a ``Bfloat16Moment``, rounded stochastically with
-  the leaf's ``key``."""
-
-  key: int
-  compressed = True
-
-  def stored_like(self, leaf: Any) -> Any:
-    like: Any = jax.ShapeDtypeStruct(np.shape(leaf), jnp.bfloat16)
-    return Bfloat16Moment(like)
-
-  def decompress(self, stored: Bfloat16Moment) -> jax.Array:
-    return moment_codes.decode_bfloat16(stored.values)
-
-  def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Bfloat16Moment:
-    key = jnp.uint32(self.key) if key is None else key
-    values = moment_codes.encode_bfloat16(value, key, applied_steps)
-    return Bfloat16Moment(values)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockScaledKind:
-  """Stores a float32 leaf in a code of its ``sign`` against a float32 scale per
-  block along the last axis, rounded stochastically with the leaf's ``key``:
-  the 8- and 4-bit kinds, alike but for their codec module (``codes``) and
-  its layout. The accelerator's step codes them in two passes
-  (:func:`first_pass`): the new moment's block maxima first (:meth:`maxima`,
-  or a joint reduction over :meth:`magnitude`), then the codes against them
-  (:meth:`compress_against`). docs/design.md, "Compressed moments at the byte floor"."""
-
-  key: int
-  sign: Sign
-  compressed = True
-  codes: ClassVar[Any]  # the codec module: moment_codes or moment_codes_4bit
-
-  def stored_like(self, leaf: Any) -> Any:
-    """Returns the abstract stored form of ``leaf`` (its codes' and scales' shapes)."""
-    raise NotImplementedError
-
-  def block_size(self, shape: tuple[int, ...]) -> int | None:
-    """Returns the block size where the blocks tile the last axis exactly (then
-    each block's scale is the largest :meth:`magnitude` of its elements), else None."""
-    raise NotImplementedError
-
-  def decompress(self, stored: Any) -> jax.Array:
-    return self.codes.decode(stored)
-
-  def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Any:
-    key = jnp.uint32(self.key) if key is None else key
-    return self.codes.encode(value, self.sign, key, applied_steps)
-
-  def magnitude(self, value: jax.Array) -> jax.Array:
-    """Returns what a block's scale is the largest of, elementwise: ``|value|``
-    (signed) or ``max(value, 0)`` (nonnegative); 0 for an empty or
-    non-positive block."""
-    if self.sign == "signed":
-      return jax.lax.abs(value)
-    return jax.lax.max(value, jnp.zeros_like(value))
-
-  def maxima(self, value: jax.Array) -> jax.Array:
-    """Returns the scales :meth:`compress` would store for ``value``."""
-    return self.codes.maxima(value, self.sign)
-
-  def decompress_once(self, stored: Any) -> jax.Array:
-    """Returns :meth:`decompress`'s values, bitwise, for a pass that writes no codes."""
-    return self.codes.decode_by_table(stored)
-
-  def compress_against(self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array) -> Any:
-    """Returns the stored form of ``value`` coded against ``scales`` (an element
-    above its block's scale takes the top level)."""
-    key = jnp.uint32(self.key)
-    return self.codes.encode(value, self.sign, key, applied_steps, scales=scales)
-
-
-@dataclasses.dataclass(frozen=True)
-class EightBitCompressed(BlockScaledKind):
-  """The 8-bit code (a ``Signed8bitMoment`` or ``Nonnegative8bitMoment``)."""
-
-  codes: ClassVar[Any] = moment_codes
-
-  def stored_like(self, leaf: Any) -> Any:
-    shape = tuple(np.shape(leaf))
-    _, blocks = moment_codes.block_layout(shape)
-    codes: Any = jax.ShapeDtypeStruct(shape, jnp.uint8)
-    scales: Any = jax.ShapeDtypeStruct((*shape[:-1], blocks) if shape else (1,), jnp.float32)
-    return moment_codes.STORED_TYPES[self.sign](codes, scales)
-
-  def block_size(self, shape: tuple[int, ...]) -> int | None:
-    size, blocks = moment_codes.block_layout(shape)
-    return size if shape and size * blocks == shape[-1] else None
-
-
-@dataclasses.dataclass(frozen=True)
-class FourBitCompressed(BlockScaledKind):
-  """The 4-bit code (a ``Signed4bitMoment`` or ``Nonnegative4bitMoment``). To
-  nearest, a slow average's steps (Lion's ``mu`` moves 1% a step) would fall
-  between its levels and the moment stall (docs/moment_codes.md)."""
-
-  codes: ClassVar[Any] = codes_4bit
-
-  def stored_like(self, leaf: Any) -> Any:
-    return codes_4bit.stored_shapes(tuple(np.shape(leaf)), self.sign)
-
-  def block_size(self, shape: tuple[int, ...]) -> int | None:
-    n = shape[-1] if shape else 0
-    size, blocks = codes_4bit.block_layout(n - n % 2)
-    return size if n % 2 == 0 and size * blocks == n else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +98,7 @@ class MomentsFormat:
       key = int(rounding.leaf_key(self.seed ^ _SEED_SALT, index))
       shape = np.shape(leaf)
       # A row too short for a code's block scales to pay is stored in bfloat16.
-      shortest = MIN_ROW_8BIT if code == "8bit" else codes_4bit.MIN_ROW
+      shortest = MIN_ROW_8BIT if code == "8bit" else moment_codes.MIN_ROW_4BIT
       if not self.signs_named:
         sign = adapters.KNOWN_SIGNS.get((state_name, field), sign)
       if code == "bfloat16" or not shape or shape[-1] < shortest:
@@ -507,7 +362,7 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
   """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
   skipped step in the accelerator's program, ``verdict.run_if_finite``); an
   8- or 4-bit moment's codes first (4-bit ones as
-  :func:`moment_codes_4bit.kept_codes` selects them), then its scales, read after
+  :func:`moment_codes.kept_codes` selects them), then its scales, read after
   the codes are written: the scales' select writes over the donated old
   scales, which the coding kernel reads to decode the old moment, and
   without the order XLA:GPU copies the old scales first (docs/design.md,
@@ -516,8 +371,8 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
   def leaf(n: Any, o: Any) -> Any:
     if not isinstance(n, BLOCK_SCALED_TYPES):  # an array, or a bfloat16 moment's
       return jax.tree.map(functools.partial(jnp.where, applied), n, o)
-    if isinstance(n, tuple(codes_4bit.STORED_TYPES.values())):
-      codes = codes_4bit.kept_codes(applied, n.codes, o.codes)
+    if isinstance(n, Signed4bitMoment | Nonnegative4bitMoment):
+      codes = moment_codes.kept_codes(applied, n.codes, o.codes)
     else:
       codes = jnp.where(applied, n.codes, o.codes)
     # Behind a barrier, so that XLA cannot compute the codes again for the

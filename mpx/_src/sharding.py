@@ -16,7 +16,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpx._src import moment_codes, variables
-from mpx._src import moment_codes_4bit as codes_4bit
 from mpx._src import tree as tree_lib
 from mpx._src.states import (
   COMPRESSED_MOMENTS,
@@ -177,7 +176,7 @@ def zero1_shardings(
         size, blocks = moment_codes.block_layout(shape)
         fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
       if isinstance(leaf, Signed4bitMoment | Nonnegative4bitMoment) and shape:
-        size, blocks = codes_4bit.block_layout(shape[-1])
+        size, blocks = moment_codes.block_layout_4bit(shape[-1])
         fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
       entries = entries_for(shape, param, fit_shape)
       codes = _fitting(entries, tuple(moment[0].shape), mesh)
