@@ -1,6 +1,6 @@
 """The tests' switch between the step's lowered forms, ``MPX_TEST_FORM``.
 
-mpx asks jax which program it lowers (``mpx/_src/lowering.py``): the platform
+mpx asks jax which program it lowers (``tree.by_platform`` in ``mpx/_src/tree.py``): the platform
 (``jax.lax.platform_dependent``) and whether the process has several devices
 (``jax.device_count``). A form answers those two questions differently, from
 outside mpx; CONTRIBUTING.md documents the values.

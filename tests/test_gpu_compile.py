@@ -92,7 +92,7 @@ def test_bytes_moved_within_2_per_param_of_the_floor(profiles, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_no_copies_and_scratch_under_a_tenth_of_a_byte_per_param(profiles, name):
   """Each 8- or 4-bit moment's old block scales too: its select, writing over
-  them, is ordered after the coding kernel that reads them (moments.kept)."""
+  them, is ordered after the coding kernel that reads them (two_pass.kept)."""
   profile, n = profiles[name]
   assert profile.copied_bytes / n < 0.01  # a scalar counter may be copied
   assert profile.scratch / n <= 0.1

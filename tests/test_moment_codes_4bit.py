@@ -369,7 +369,7 @@ def test_the_stored_types_are_those_of_states():
     assert list(signed) == list(nonnegative)  # the same layout for both signs
   # The kind that decompresses each stored type has its sign.
   for sign, stored_type in expected.items():
-    assert moments._KIND_OF_STORED[stored_type] == mc.FourBitCompressed(0, sign)
+    assert moments.KIND_OF_STORED[stored_type] == mc.FourBitCompressed(0, sign)
 
 
 def bytes_per_element(shape: tuple[int, ...]) -> float:

@@ -13,6 +13,7 @@ from treecheck import skip_recorded, tree_equal
 
 import mpx
 from mpx._src import moments as mpx_moments
+from mpx._src import two_pass
 
 BIG = (64, 128)  # 8192 elements: compressed (at least 4096)
 SMALL = (16,)  # stays float32
@@ -596,7 +597,7 @@ def test_the_first_pass_reads_each_gradient_with_its_moments_in_one_reduction():
   new = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), inner)
   new = new[0]._replace(nu=jax.tree.map(jnp.abs, new[0].nu)), *new[1:]
   grads = {"['w']": jnp.ones((8, 512)), "['v']": jnp.ones((2, 50257))}
-  scales, finite, read = mpx_moments.block_maxima(fmt, new, grads)
+  scales, finite, read = two_pass.block_maxima(fmt, new, grads)
   # "w" (blocks of 256 and 128 tile it) is reduced with its gradient; "v" (an
   # odd row, which neither code's blocks tile) alone.
   assert bool(finite) and read == {"['w']"}
@@ -608,9 +609,9 @@ def test_the_first_pass_reads_each_gradient_with_its_moments_in_one_reduction():
       assert scale is None
   for bad in (jnp.nan, jnp.inf, -jnp.inf):
     bad_w = {**grads, "['w']": grads["['w']"].at[7, 511].set(bad)}
-    _, finite, _ = mpx_moments.block_maxima(fmt, new, bad_w)
+    _, finite, _ = two_pass.block_maxima(fmt, new, bad_w)
     assert not bool(finite)
   # A gradient not read here leaves the verdict to verdict.gradients_finite.
   bad_v = {**grads, "['v']": grads["['v']"].at[0, 0].set(jnp.nan)}
-  _, finite, _ = mpx_moments.block_maxima(fmt, new, bad_v)
+  _, finite, _ = two_pass.block_maxima(fmt, new, bad_v)
   assert bool(finite)

@@ -18,9 +18,9 @@ from mpx._src import (
   adapters,
   compat,
   full_precision,
-  lowering,
   state_search,
   storage,
+  two_pass,
   validation,
   variables,
   verdict,
@@ -156,24 +156,24 @@ class _Step:
     stored = _Stored(leaves.stored, state.inner_state)
     # 2. The verdict, on each gradient as the inner rule will receive it; with
     #    8- or 4-bit moments, on accelerators, read with their block maxima in
-    #    the first of two passes (moments.first_pass), which also reads the
+    #    the first of two passes (two_pass.first_pass), which also reads the
     #    24-bit masters' stall check.
     scales = first_stalled = None
     if moments_format.block_scaled:
-      finite, scales, first_stalled = lowering.by_platform(
+      finite, scales, first_stalled = tree_lib.by_platform(
         cpu=lambda: (
           verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling),
-          moments_lib.stored_scales(state.inner_state),  # unread: shapes
+          two_pass.stored_scales(state.inner_state),  # unread: shapes
           jnp.zeros((), bool),  # unread
         ),
-        accelerator=lambda: moments_lib.first_pass(
+        accelerator=lambda: two_pass.first_pass(
           moments_format,
           functools.partial(
             self._step_on_masters,
             unscaling=unscaling,
             applied_steps=state.applied_steps,
             extra_args=extra_args,
-            decompress=moments_lib.decompressed_once,
+            decompress=two_pass.decompressed_once,
           ),
           stored,
           leaves,
@@ -193,7 +193,7 @@ class _Step:
       stored,
       dataclasses.replace(leaves, stored=[]),  # the step gets them as its state
       *args,
-      select=moments_lib.kept if moments_format.block_scaled else None,
+      select=two_pass.kept if moments_format.block_scaled else None,
     )
     # 4. After the skip: the param updates (they fuse into optax.apply_updates).
     param_updates = [
@@ -298,7 +298,7 @@ class _Step:
     """Returns :meth:`_step_on_masters`'s results, the inner rule's moments
     read from and stored back in the format's compressed form. ``scales``: what
     the accelerator's program codes 8- and 4-bit moments against
-    (``moments.first_pass``), or None."""
+    (``two_pass.first_pass``), or None."""
     new, handoffs = self._step_on_masters(
       stored, leaves, unscaling, applied_steps, extra_args, moments_lib.decompressed
     )

@@ -554,7 +554,7 @@ class BlockScaledKind:
   """Stores a float32 leaf in a code of its ``sign`` against a float32 scale per
   block along the last axis, rounded stochastically with the leaf's ``key``:
   the 8- and 4-bit kinds, alike but for their levels and layout. The
-  accelerator's step codes them in two passes (``moments.first_pass``): the
+  accelerator's step codes them in two passes (``two_pass.first_pass``): the
   new moment's block maxima first (:meth:`maxima`, or a joint reduction over
   :meth:`magnitude`), then the codes against them (:meth:`compress_against`).
   docs/design.md, "Compressed moments at the byte floor"."""

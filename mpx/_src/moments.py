@@ -1,8 +1,9 @@
 """Where the inner rule's moments live: as it made them, in bfloat16, 8 or 4 bits.
 
-A :class:`MomentKind` per leaf of the inner state stores it between steps;
-:class:`MomentsFormat` (one ``moments=`` setting) picks them (docs/moment_codes.md);
-the accelerator codes 8- and 4-bit moments in two passes (:func:`first_pass`).
+:class:`MomentsFormat` (one ``moments=`` setting) picks a moment kind
+(moment_codes.py) per leaf of the inner state (docs/moment_codes.md);
+:func:`compressed` and :func:`decompressed` store and read a whole inner
+state. The accelerator codes 8- and 4-bit moments in two passes (two_pass.py).
 """
 
 from __future__ import annotations
@@ -10,20 +11,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import adapters, lowering, moment_codes, rounding, storage, validation, verdict
+from mpx._src import adapters, moment_codes, rounding, validation
 from mpx._src import tree as tree_lib
 from mpx._src.moment_codes import (
   SIGNS,
   UNCOMPRESSED,
   Bfloat16Compressed,
-  BlockScaledKind,
   EightBitCompressed,
   FourBitCompressed,
   MomentKind,
@@ -234,7 +234,7 @@ def is_compressed(x: Any) -> bool:
 
 
 # The kind that decompresses each stored type (a key matters only to compress).
-_KIND_OF_STORED: dict[type, MomentKind] = {
+KIND_OF_STORED: dict[type, MomentKind] = {
   Bfloat16Moment: Bfloat16Compressed(0),
   Signed8bitMoment: EightBitCompressed(0, "signed"),
   Nonnegative8bitMoment: EightBitCompressed(0, "nonnegative"),
@@ -266,7 +266,7 @@ def decompressed(stored_inner: Any) -> Any:
   """Returns ``stored_inner`` with every compressed moment decompressed to float32."""
 
   def leaf(x: Any) -> Any:
-    kind = _KIND_OF_STORED.get(type(x))
+    kind = KIND_OF_STORED.get(type(x))
     if kind is None:
       return x
     if hasattr(x[0], "replace_boxed"):  # parts in flax linen boxes: the value boxed like them
@@ -296,7 +296,7 @@ def compressed(
   if scales is None:
     return one_pass()
   second_pass = functools.partial(_coded, moments_format, new_inner, applied_steps, None, scales)
-  return lowering.by_platform(cpu=one_pass, accelerator=second_pass)
+  return tree_lib.by_platform(cpu=one_pass, accelerator=second_pass)
 
 
 def _coded(
@@ -317,7 +317,7 @@ def _coded(
   uncompressed = [v for v, kind in zip(flat, kinds, strict=True) if not kind.compressed]
   step = applied_steps
   if others is not None and len(uncompressed) < len(flat):
-    step = lowering.by_platform(
+    step = tree_lib.by_platform(
       applied_steps,
       others + uncompressed,
       cpu=_written_after,
@@ -356,211 +356,3 @@ def _written_after(applied_steps: jax.Array, others: list[Any]) -> jax.Array:
   # A reduction, computed once: a scalar made of elementwise ops alone XLA
   # would fuse into every element of every compressed moment.
   return applied_steps + jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
-
-
-def kept(applied: jax.Array, new: Any, old: Any) -> Any:
-  """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
-  skipped step in the accelerator's program, ``verdict.run_if_finite``); an
-  8- or 4-bit moment's codes first (4-bit ones as
-  :func:`moment_codes.kept_codes` selects them), then its scales, read after
-  the codes are written: the scales' select writes over the donated old
-  scales, which the coding kernel reads to decode the old moment, and
-  without the order XLA:GPU copies the old scales first (docs/design.md,
-  "Compressed moments at the byte floor")."""
-
-  def leaf(n: Any, o: Any) -> Any:
-    if not isinstance(n, BLOCK_SCALED_TYPES):  # an array, or a bfloat16 moment's
-      return jax.tree.map(functools.partial(jnp.where, applied), n, o)
-    if isinstance(n, Signed4bitMoment | Nonnegative4bitMoment):
-      codes = moment_codes.kept_codes(applied, n.codes, o.codes)
-    else:
-      codes = jnp.where(applied, n.codes, o.codes)
-    # Behind a barrier, so that XLA cannot compute the codes again for the
-    # zero (fused into the scales' select) instead of reading the coder's.
-    codes = jax.lax.optimization_barrier(codes)
-    scales = jnp.where(applied, n.scales, o.scales)
-    return type(n)(codes, jax.lax.add(scales, _zero_per_block(codes, scales)))
-
-  return jax.tree.map(leaf, new, old, is_leaf=is_compressed)
-
-
-def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
-  """Returns zeros shaped like ``scales``, each read from its block's first code
-  byte: elementwise, so that it stays on the device that holds the block
-  wherever a mesh splits the moment (a scalar read from one element would
-  be reduced across devices). Zero itself (no order) for a layout whose
-  blocks do not tile the codes' last axis, or whose blocks an explicit mesh
-  splits (jax refuses to slice a sharded axis there)."""
-  *lead, width = codes.shape
-  blocks = scales.shape[-1] if scales.ndim else 0
-  if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
-    return jnp.zeros((), scales.dtype)
-  blocked = codes.reshape((*lead, blocks, width // blocks))
-  sharding = getattr(jax.typeof(blocked), "sharding", None)
-  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
-  if len(spec) == blocked.ndim and spec[-1] is not None:
-    return jnp.zeros((), scales.dtype)
-  return jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
-
-
-# The accelerator's two-pass coder of 8- and 4-bit moments (docs/design.md,
-# "Compressed moments at the byte floor"): first_pass, then compressed(..., scales).
-
-
-def first_pass(
-  moments_format: MomentsFormat,
-  inner_step: Callable[..., tuple[Any, list[Any]]],
-  stored: Any,
-  leaves: Any,
-  unscaling: verdict.Unscaling | None,
-) -> tuple[jax.Array, list[jax.Array | None], jax.Array]:
-  """Returns the step's verdict, the new 8- and 4-bit moments' block maxima and
-  whether a leaf's update stalled (``storage.any_stalled``): the accelerator's
-  first pass, whose maxima the step codes the moments it computes again
-  against (:func:`compressed`).
-
-  ``inner_step(stored, leaves)`` runs the inner rule on the masters and
-  commits each leaf (``mixed_precision._Step._step_on_masters``, its old
-  moments read by :func:`decompressed_once`), returning ``(stored,
-  handoffs)``, the inner rule's new state as it made it. It runs here on its
-  inputs behind ``lax.optimization_barrier``, which XLA does not look
-  through, so that it cannot merge this computation of the new moments with
-  the step's (CSE would: one new moment read by the maxima, the update and
-  the coder is what XLA:GPU writes out in float32); only the maxima are
-  kept, the rest is dead code. Each gradient read with
-  moments (:func:`block_maxima`) is checked in their reduction, as the inner
-  rule receives it (the verdict's rule, ``verdict.gradients_finite``); the
-  others by ``gradients_finite``; the two agreed across the axis at once.
-  """
-  flat, treedef = jax.tree.flatten((stored, leaves))
-  arrays = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
-  barred = jax.lax.optimization_barrier([flat[i] for i in arrays])
-  for i, x in zip(arrays, barred, strict=True):
-    flat[i] = x
-  stored_once, leaves_once = jax.tree.unflatten(treedef, flat)
-  new, handoffs = inner_step(stored_once, leaves_once)
-  received = [
-    verdict.received(g, d, unscaling)
-    for g, d in zip(leaves_once.grads, leaves.received_dtypes, strict=True)
-  ]
-  paths = jax.tree_util.tree_flatten_with_path(
-    leaves.grad_treedef.unflatten(list(range(len(received))))
-  )[0]
-  by_path = {
-    jax.tree_util.keystr(path): received[index]
-    for path, index in paths
-    if tree_lib.is_floating(received[index])
-  }
-  scales, read_finite, read = block_maxima(moments_format, new.inner, by_path)
-  others = [jax.tree_util.keystr(path) not in read for path, _ in paths]
-  axis_name = None if unscaling is None else unscaling.axis_name
-  alone = None if unscaling is None else dataclasses.replace(unscaling, axis_name=None)
-  rest_finite = verdict.gradients_finite(
-    [g for g, other in zip(leaves.grads, others, strict=True) if other],
-    [d for d, other in zip(leaves.received_dtypes, others, strict=True) if other],
-    alone,
-  )
-  # The 24-bit masters' stall check (a sample of each leaf's update) is read
-  # here too, and tied to the maxima that the step waits for: read after the
-  # step, it would read params the step overwrites in place (XLA copies them).
-  stalled = storage.any_stalled(handoffs)
-  if stalled is None:
-    stalled = jnp.zeros((), bool)
-  else:
-    scales, stalled = jax.lax.optimization_barrier((scales, stalled))
-  return verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name), scales, stalled
-
-
-def block_maxima(
-  moments_format: MomentsFormat, new_inner: Any, grads: Mapping[str, jax.Array]
-) -> tuple[list[jax.Array | None], jax.Array, set[str]]:
-  """Returns the block maxima of each block-scaled leaf of ``new_inner`` (None
-  for the others), whether the gradients read with them are finite, and
-  which of ``grads`` were read.
-
-  ``grads`` are the gradients as the inner rule received them, by the path
-  of their leaf (``jax.tree_util.keystr``). A moment whose path below its
-  field is a gradient's, of its shape, is reduced with that gradient's
-  other moments and its finiteness in one variadic reduction, at the
-  smallest block size among them (a larger block's maxima are those of its
-  smaller blocks): one kernel reads the old codes and the gradient once,
-  where a reduction per moment would read the gradient once more each and
-  leave XLA:GPU's cost model to decide whether to write the new moment out
-  (docs/design.md). A moment whose blocks do not tile its last axis is
-  reduced alone (:meth:`BlockScaledKind.maxima`).
-  """
-  flat = jax.tree_util.tree_flatten_with_path(new_inner)[0]
-  values = [value for _, value in flat]
-  fields = {name for name, _, _ in moments_format.fields}
-  scales: list[jax.Array | None] = [None] * len(flat)
-  groups: dict[str, list[tuple[int, BlockScaledKind, int]]] = {}
-  kinds = moments_format.kinds(new_inner)
-  for index, (kind, (keys, value)) in enumerate(zip(kinds, flat, strict=True)):
-    if not isinstance(kind, BlockScaledKind):
-      continue
-    # The path below the innermost of the fields on it: a moment's path below
-    # ``mu`` is its param's.
-    at = [i for i, key in enumerate(keys) if getattr(key, "name", None) in fields]
-    below = jax.tree_util.keystr(tuple(keys[at[-1] + 1 :])) if at else None
-    size = kind.block_size(value.shape)
-    grad = None if below is None else grads.get(below)
-    if below is None or grad is None or np.shape(grad) != value.shape or size is None:
-      scales[index] = kind.maxima(value)
-    else:
-      groups.setdefault(below, []).append((index, kind, size))
-  finite = []
-  for path, members in groups.items():
-    small = min(size for _, _, size in members)
-    joint = [(i, kind, size) for i, kind, size in members if size % small == 0]
-    for i, kind, size in members:
-      if size % small:
-        scales[i] = kind.maxima(values[i])
-    grad = jnp.asarray(grads[path], jnp.float32)
-    # 1 where the gradient is not finite: a max of these is 0 exactly when
-    # every element is finite, whatever the max does with a NaN. A byte, not
-    # a float32: the reduction writes one a block, scratch until the verdict.
-    flag = jnp.logical_not(jnp.isfinite(grad)).astype(jnp.uint8)
-    # One variadic reduction over the blocks of ``small`` (each operand's
-    # largest element per block, at least 0), so that XLA emits one kernel
-    # reading each operand's producers (a moment's old codes, its gradient) once.
-    operands = [*(kind.magnitude(values[i]) for i, kind, _ in joint), flag]
-    *lead, width = operands[0].shape
-    blocked = tuple(x.reshape((*lead, width // small, small)) for x in operands)
-    zeros = tuple(np.zeros((), x.dtype) for x in blocked)
-    *maxima, flags = jax.lax.reduce(blocked, zeros, tree_lib.elementwise_max, (len(lead) + 1,))
-    for (i, _, size), block_max in zip(joint, maxima, strict=True):
-      # A block ``size // small`` times as long: the largest of its small blocks' maxima.
-      factor = size // small
-      if factor > 1:
-        grouped = block_max.reshape((*lead, width // size, factor))
-        block_max = jax.lax.reduce(grouped, np.float32(0), jax.lax.max, (len(lead) + 1,))
-      scales[i] = block_max
-    finite.append(jax.lax.eq(jnp.max(flags), np.uint8(0)))
-  all_finite = jnp.asarray(True)
-  if finite:
-    # Behind a barrier, as verdict._all stacks per-leaf flags: one kernel tests them.
-    all_finite = jax.lax.optimization_barrier(jnp.stack(finite)).all()
-  return scales, all_finite, set(groups)
-
-
-def stored_scales(stored_inner: Any) -> list[jax.Array | None]:
-  """Returns, per leaf of the inner state (a compressed moment one leaf), the
-  scales a block-scaled moment stores, else None: what :func:`first_pass`
-  returns, in shapes and dtypes."""
-  leaves = jax.tree.leaves(stored_inner, is_leaf=is_compressed)
-  return [x.scales if isinstance(x, BLOCK_SCALED_TYPES) else None for x in leaves]
-
-
-def decompressed_once(stored_inner: Any) -> Any:
-  """Returns ``stored_inner`` decompressed (bitwise as :func:`decompressed`)
-  for a pass that writes no codes: 8- and 4-bit codes by a table lookup."""
-
-  def leaf(x: Any) -> Any:
-    kind = _KIND_OF_STORED.get(type(x))
-    if kind is None:
-      return x
-    if isinstance(kind, BlockScaledKind):
-      return kind.decompress_once(x)
-    return kind.decompress(x)
-
-  return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)

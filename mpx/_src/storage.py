@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import lowering, rounding
+from mpx._src import rounding
 from mpx._src import tree as tree_lib
 from mpx._src.states import (
   MixedPrecision24bitState,
@@ -522,7 +522,7 @@ class Mode:
     if stalled is None:
       stalled = jnp.zeros((), bool)
     if first_stalled is not None:
-      stalled = lowering.by_platform(
+      stalled = tree_lib.by_platform(
         cpu=functools.partial(jnp.asarray, stalled),
         accelerator=functools.partial(jnp.logical_and, first_stalled, applied),
       )

@@ -1,4 +1,5 @@
-"""Pytree helpers: leaf types, holes, linen boxes, selection, and casts of floating leaves only."""
+"""Pytree helpers: leaf types, holes, linen boxes, selection, casts of floating
+leaves only, and the one question of which program a step is lowered to."""
 
 from __future__ import annotations
 
@@ -260,6 +261,30 @@ def jitted_when_eager(fn: Callable[..., Any], static: Any, *arrays: Any) -> Any:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _jitted(fn: Callable[..., Any], static: Any, *arrays: jax.Array) -> Any:
   return fn(static, *arrays)
+
+
+# Which program a step is lowered to: XLA:CPU's or the accelerators'
+# (docs/design.md, "Two platforms, one step").
+
+
+def by_platform(
+  *operands: Any,
+  cpu: Callable[..., Any],
+  accelerator: Callable[..., Any],
+  cpu_needs_one_device: bool = False,
+) -> Any:
+  """Returns ``cpu(*operands)`` in a program lowered for XLA:CPU, else
+  ``accelerator(*operands)``.
+
+  The platform the step is lowered for decides (``lax.platform_dependent``),
+  never the process's devices: a CPU process compiles for an H100 ahead of
+  time, a GPU process runs CPU programs too. ``cpu_needs_one_device`` keeps
+  the accelerator form in a process of several devices, for CPU forms that
+  read single elements of leaves a mesh may split (XLA would gather them).
+  """
+  if cpu_needs_one_device and jax.device_count() > 1:
+    return accelerator(*operands)
+  return jax.lax.platform_dependent(*operands, cpu=cpu, default=accelerator)
 
 
 # optax.lookahead: the gradients mirror the fast weights of LookaheadParams.

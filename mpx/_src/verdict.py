@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import lowering, state_search
+from mpx._src import state_search
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES
 
@@ -104,7 +104,7 @@ def gradients_finite(grads: list[Any], dtypes: list[Any], unscaling: Unscaling |
     to_check.append(received(grad, dtype, unscaling) if narrows or not shrinks else grad)
   # The sums and folds read leaves whole: on several devices they would
   # gather leaves a mesh splits, so they are XLA:CPU's form on one device.
-  finite = lowering.by_platform(
+  finite = tree_lib.by_platform(
     to_check,
     cpu=_single_cpu,
     accelerator=lambda leaves: _all([jnp.isfinite(x).all() for x in leaves]),
@@ -199,7 +199,7 @@ def run_if_finite(
     return step(state, *jax.tree.unflatten(treedef, leaves))
 
   arrays = [x for x, array in zip(flat, is_array, strict=True) if array]
-  return lowering.by_platform(
+  return tree_lib.by_platform(
     finite,
     state,
     arrays,
