@@ -12,8 +12,8 @@ from lowering_forms import forced
 from treecheck import skip_recorded, tree_equal
 
 import mpx
+from mpx._src import moment_codes, two_pass
 from mpx._src import moments as mpx_moments
-from mpx._src import two_pass
 
 BIG = (64, 128)  # 8192 elements: compressed (at least 4096)
 SMALL = (16,)  # stays float32
@@ -603,7 +603,7 @@ def test_the_first_pass_reads_each_gradient_with_its_moments_in_one_reduction():
   assert bool(finite) and read == {"['w']"}
   kinds = fmt.kinds(new)
   for kind, value, scale in zip(kinds, jax.tree.leaves(new), scales, strict=True):
-    if isinstance(kind, mpx_moments.BlockScaledKind):
+    if isinstance(kind, moment_codes.BlockScaledKind):
       np.testing.assert_array_equal(np.asarray(scale), np.asarray(kind.maxima(value)))
     else:
       assert scale is None
