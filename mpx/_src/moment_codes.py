@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import lowering, rounding
+from mpx._src import tree as tree_lib
 from mpx._src.states import (
   Bfloat16Moment,
   Nonnegative4bitMoment,
@@ -60,7 +61,8 @@ MIN_ROW_4BIT = 6
 
 _ONE_BITS = 0x3F800000  # bits of float32 1.0
 _TINY = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32
-# Salts xored into the caller's key: independent bits per format and sign.
+# Salts xored into the caller's key (None: the kind's): independent bits per
+# format and sign.
 _SALTS = {
   "bfloat16": 0x6A09E667,
   "signed": 0xBB67AE85,
@@ -124,26 +126,34 @@ def block_layout_4bit(n: int) -> tuple[int, int]:
   return _fit_blocks(n, MAX_BLOCK_4BIT, (range(MAX_BLOCK_4BIT // 2 + 2, MAX_BLOCK_4BIT + 1, 2),))
 
 
-def _unblocked(wide: jax.Array, n: int) -> jax.Array:
-  """Merges the last two axes of ``wide`` and drops the padding past ``n``."""
-  wide = wide.reshape((*wide.shape[:-2], wide.shape[-2] * wide.shape[-1]))
-  return jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1) if wide.shape[-1] != n else wide
-
-
 def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """Broadcasts each 8-bit block's scale to its elements, in the leaf's
   ``shape``, so that a kernel rewriting the codes reads the old ones where it
   writes."""
   size, blocks = block_layout(shape)
   lead = shape[:-1] if shape else ()
+  n = shape[-1] if shape else 1
   wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
-  return _unblocked(wide, shape[-1] if shape else 1).reshape(shape)
+  # The blocks merged, the last one's padding dropped.
+  wide = wide.reshape((*lead, blocks * size))
+  if blocks * size != n:
+    wide = jax.lax.slice_in_dim(wide, 0, n, axis=len(lead))
+  return wide.reshape(shape)
 
 
 def _spread(scales: jax.Array, size: int, n: int) -> jax.Array:
   """Each 4-bit block's scale broadcast to its ``size`` elements, the first
-  ``n`` of a row kept."""
-  return _unblocked(jnp.broadcast_to(scales[..., None], (*scales.shape, size)), n)
+  ``n`` of a row kept (as :func:`_expand`, in a broadcast of its own form)."""
+  *lead, blocks = scales.shape
+  wide = jnp.broadcast_to(scales[..., None], (*lead, blocks, size))
+  wide = wide.reshape((*lead, blocks * size))
+  return wide if blocks * size == n else jax.lax.slice_in_dim(wide, 0, n, axis=len(lead))
+
+
+def _max_and_min(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """The signed block maxima's reduction: the larger of the first pair, the
+  smaller of the second (``tree.elementwise_max`` takes the larger of both)."""
+  return jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])
 
 
 def _block_max(
@@ -163,22 +173,9 @@ def _block_max(
     x = x.reshape((*x.shape[:-1], size // 2, 2))
     axes = (x.ndim - 2, x.ndim - 1)
   zero = np.float32(0)
-  second = jax.lax.min if signed else jax.lax.max
-
-  def reducer(
-    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
-  ) -> tuple[jax.Array, jax.Array]:
-    return jax.lax.max(a[0], b[0]), second(a[1], b[1])
-
+  reducer = _max_and_min if signed else tree_lib.elementwise_max
   largest, other = jax.lax.reduce((x, x), (zero, zero), reducer, axes)
   return jax.lax.max(largest, jax.lax.neg(other) if signed else other)
-
-
-def _salted(key: jax.Array | None, default: int, salt: str) -> jax.Array:
-  """Returns ``key`` (None: the kind's ``default`` key) with the salt of a
-  format and sign (``_SALTS``) xored in."""
-  key = jnp.uint32(default) if key is None else key
-  return jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS[salt]))
 
 
 def lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
@@ -545,7 +542,9 @@ class Bfloat16Compressed:
     (None: the kind's). Magnitudes beyond bfloat16's largest finite value
     saturate at it."""
     x = rounding.canonical(jnp.asarray(value, jnp.float32))
-    bits = rounding.random_bits(_salted(key, self.key, "bfloat16"), applied_steps, x.shape)
+    key = jnp.uint32(self.key) if key is None else key
+    key = jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS["bfloat16"]))
+    bits = rounding.random_bits(key, applied_steps, x.shape)
     return Bfloat16Moment(rounding.stochastic_round(x, bits))
 
 
@@ -648,7 +647,8 @@ class EightBitCompressed(BlockScaledKind):
       scales = jnp.asarray(scales, jnp.float32)
       if scales.shape != expected:
         raise ValueError(f"scales of shape {scales.shape}, expected {expected}")
-    key = _salted(key, self.key, self.sign)
+    key = jnp.uint32(self.key) if key is None else key
+    key = jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS[self.sign]))
     zero = np.float32(0)
     scales = self.maxima(x) if scales is None else scales
     if code.signed:
@@ -789,7 +789,9 @@ class FourBitCompressed(BlockScaledKind):
     is given."""
     x = jnp.asarray(value, jnp.float32)
     layout = _Layout.of(x.shape)
-    key = _salted(key, self.key, f"4bit {self.sign}")
+    key = jnp.uint32(self.key) if key is None else key
+    salt = np.uint32(_SALTS[f"4bit {self.sign}"])
+    key = jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), salt)
     if scales is None:
       block_max = self.maxima(x)
     else:
