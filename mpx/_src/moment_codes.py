@@ -328,34 +328,6 @@ class _Layout(NamedTuple):
     per = 8 if size % 8 == 0 and body % 8 == 0 else 2
     return cls(tuple(lead), n, body, size, blocks, n % 2, per)
 
-  @classmethod
-  def of_codes(cls, codes_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> _Layout:
-    """The layout whose codes and scales have these shapes: ``n`` is odd where
-    the scales hold one more entry a row than the blocks."""
-    *lead, pairs = codes_shape
-    _, blocks = block_layout_4bit(2 * pairs)
-    if tuple(scales_shape[:-1]) != tuple(lead) or scales_shape[-1] not in (blocks, blocks + 1):
-      raise ValueError(
-        f"scales of shape {scales_shape} do not match codes of shape {codes_shape}: expected "
-        f"{(*lead, blocks)} (an even last axis) or {(*lead, blocks + 1)} (an odd one)"
-      )
-    return cls.of((*lead, 2 * pairs + scales_shape[-1] - blocks))
-
-
-def _with_tail(scales: jax.Array, x: jax.Array, sign: Sign, layout: _Layout) -> jax.Array:
-  """``scales``' first ``layout.blocks`` per row then, for an odd row, its last
-  element as stored: itself, signed; nonnegative, at least the smallest normal
-  if positive (read from the bits, so that a positive subnormal counts even
-  where the hardware flushes it to zero), 0 if not positive."""
-  if not layout.tail:
-    return scales
-  tail = x[..., layout.body :]
-  if sign == "nonnegative":
-    kept = jax.lax.max(tail, jnp.full_like(tail, _TINY))
-    positive = jax.lax.gt(jax.lax.bitcast_convert_type(tail, jnp.int32), np.int32(0))
-    tail = jax.lax.select(positive, kept, jnp.zeros_like(tail))
-  return jnp.concatenate([scales[..., : layout.blocks], tail], axis=-1)
-
 
 def _round(a: jax.Array, levels: np.ndarray, u: jax.Array) -> jax.Array:
   """The index of ``a`` (at least 0) among ``levels`` (ascending, from 0 to 1;
@@ -389,17 +361,6 @@ def _select_level(index: jax.Array, table: np.ndarray) -> jax.Array:
     level = [jax.lax.select(on, hi, lo) for lo, hi in zip(level[0::2], level[1::2], strict=True)]
     bit += 1
   return level[0]
-
-
-def _at_least_tiny(value: jax.Array, k: jax.Array) -> jax.Array:
-  """A nonnegative ``value`` kept at least float32's smallest normal (a product
-  below it would flush to zero), and 0 where its code ``k`` is 0. On the int32
-  bits (the product is not negative): one instruction, where float32's
-  NaN-propagating maximum takes three."""
-  bits = jax.lax.bitcast_convert_type(value, jnp.int32)
-  bits = jax.lax.max(bits, np.int32(_TINY.view(np.int32)))
-  value = jax.lax.bitcast_convert_type(bits, jnp.float32)
-  return jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
 
 
 def _pack(codes: jax.Array, per: int | None = None) -> jax.Array:
@@ -765,21 +726,33 @@ class FourBitCompressed(BlockScaledKind):
     size, blocks = block_layout_4bit(n - n % 2)
     return size if n % 2 == 0 and size * blocks == n else None
 
-  def maxima(self, value: jax.Array) -> jax.Array:
+  def maxima(self, value: jax.Array, block_maxima: jax.Array | None = None) -> jax.Array:
     """Returns float32 ``(*lead, n_blocks + n % 2)``: each row's block maxima
     (the largest magnitude, signed; the largest value, at least 0,
-    nonnegative), then for an odd row its last element as stored. Along the
-    last axis only: nothing is reduced across rows."""
+    nonnegative; or the first ``n_blocks`` of each row of ``block_maxima``,
+    where given), then for an odd row its last element as stored: itself,
+    signed; nonnegative, at least the smallest normal if positive (read from
+    the bits, so that a positive subnormal counts even where the hardware
+    flushes it to zero), 0 if not positive. Along the last axis only: nothing
+    is reduced across rows."""
     x = jnp.asarray(value, jnp.float32)
     layout = _Layout.of(x.shape)
-    # Blocks of words (8 codes) as they are: a moment decoded from words
-    # (``_unpack``) in here reads a word a vector. Else each block as (size /
-    # 2) pairs: the reduction's inner loops then run over a pair and over the
-    # bytes, which it reads a vector at a time.
-    body = x[..., : layout.body]
-    signed = self.sign == "signed"
-    scales = _block_max(body, layout.size, layout.blocks, signed, pairs=layout.per != 8)
-    return _with_tail(scales, x, self.sign, layout)
+    if block_maxima is None:
+      # Blocks of words (8 codes) as they are: a moment decoded from words
+      # (``_unpack``) in here reads a word a vector. Else each block as (size /
+      # 2) pairs: the reduction's inner loops then run over a pair and over the
+      # bytes, which it reads a vector at a time.
+      body = x[..., : layout.body]
+      signed = self.sign == "signed"
+      block_maxima = _block_max(body, layout.size, layout.blocks, signed, pairs=layout.per != 8)
+    if not layout.tail:
+      return block_maxima
+    tail = x[..., layout.body :]
+    if self.sign == "nonnegative":
+      kept = jax.lax.max(tail, jnp.full_like(tail, _TINY))
+      positive = jax.lax.gt(jax.lax.bitcast_convert_type(tail, jnp.int32), np.int32(0))
+      tail = jax.lax.select(positive, kept, jnp.zeros_like(tail))
+    return jnp.concatenate([block_maxima[..., : layout.blocks], tail], axis=-1)
 
   def compress_against(
     self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
@@ -799,7 +772,7 @@ class FourBitCompressed(BlockScaledKind):
       expected = (*layout.lead, layout.blocks + layout.tail)
       if block_max.shape != expected:
         raise ValueError(f"scales of shape {block_max.shape}, expected {expected}")
-      block_max = _with_tail(block_max, x, self.sign, layout)
+      block_max = self.maxima(x, block_max)
     if not layout.body:
       return STORED_TYPES_4BIT[self.sign](jnp.zeros((*layout.lead, 0), jnp.uint8), block_max)
     scale = _spread(block_max[..., : layout.blocks], layout.size, layout.body)
@@ -854,12 +827,22 @@ class FourBitCompressed(BlockScaledKind):
     codes = lowering.by_platform(codes, cpu=pack, accelerator=_pack_by_bitcast)
     return STORED_TYPES_4BIT[self.sign](codes, block_max)
 
-  def decompress(self, stored: FourBitMoment) -> jax.Array:
+  def decompress(self, stored: FourBitMoment, by_table: bool = False) -> jax.Array:
     """Returns the float32 leaf that ``stored`` codes, in the shape that was
-    coded: each level times its scale."""
+    coded: each level times its scale. ``by_table`` (:meth:`decompress_once`)
+    looks each code's level up in a table of 16, but for an odd last axis."""
     codes = jnp.asarray(stored.codes)
     scales = jnp.asarray(stored.scales, jnp.float32)
-    layout = _Layout.of_codes(codes.shape, scales.shape)
+    # The layout whose codes and scales have these shapes: ``n`` is odd where
+    # the scales hold one more entry a row than the blocks.
+    *lead, pairs = codes.shape
+    _, blocks = block_layout_4bit(2 * pairs)
+    if tuple(scales.shape[:-1]) != tuple(lead) or scales.shape[-1] not in (blocks, blocks + 1):
+      raise ValueError(
+        f"scales of shape {scales.shape} do not match codes of shape {codes.shape}: expected "
+        f"{(*lead, blocks)} (an even last axis) or {(*lead, blocks + 1)} (an odd one)"
+      )
+    layout = _Layout.of((*lead, 2 * pairs + scales.shape[-1] - blocks))
     tail = scales[..., layout.blocks :]
     if not layout.body:
       return tail
@@ -880,7 +863,13 @@ class FourBitCompressed(BlockScaledKind):
       unpack = functools.partial(_unpack, per=layout.per)
       k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
       scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
-    if self.sign == "signed":
+    if by_table and not layout.tail:
+      # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
+      levels = SIGNED_LEVELS_4BIT
+      signed = self.sign == "signed"
+      table = np.concatenate([levels, -levels]) if signed else NONNEGATIVE_LEVELS_4BIT
+      value = jax.lax.mul(lookup(table.astype(np.float32), k), scale)
+    elif self.sign == "signed":
       magnitude = _select_level(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), SIGNED_LEVELS_4BIT)
       # The code's sign bit moves to float32's: -level, exactly.
       sign = jax.lax.shift_left(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT)), np.int32(28))
@@ -891,7 +880,15 @@ class FourBitCompressed(BlockScaledKind):
       # float, zeroed below).
       bits = jax.lax.shift_left(jax.lax.add(k, np.int32(_FLOAT_BASE)), np.int32(_FLOAT_SHIFT))
       value = jax.lax.mul(jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
-      value = _at_least_tiny(value, k)
+    if self.sign == "nonnegative":
+      # At least float32's smallest normal (a product below it would flush to
+      # zero), and 0 where the code is 0. On the int32 bits (the product is not
+      # negative): one instruction, where float32's NaN-propagating maximum
+      # takes three.
+      bits = jax.lax.bitcast_convert_type(value, jnp.int32)
+      bits = jax.lax.max(bits, np.int32(_TINY.view(np.int32)))
+      value = jax.lax.bitcast_convert_type(bits, jnp.float32)
+      value = jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
     if layout.tail:
       last = value.ndim - 1
       at_tail = jax.lax.eq(
@@ -902,19 +899,6 @@ class FourBitCompressed(BlockScaledKind):
     return value
 
   def decompress_once(self, stored: FourBitMoment) -> jax.Array:
-    """As :meth:`BlockScaledKind.decompress_once`, each code's level looked up
-    in a table of 16 (an odd last axis: :meth:`decompress` itself)."""
-    codes = jnp.asarray(stored.codes)
-    scales = jnp.asarray(stored.scales, jnp.float32)
-    layout = _Layout.of_codes(codes.shape, scales.shape)
-    if layout.tail or not layout.body:
-      return self.decompress(stored)
-    unpack = functools.partial(_unpack, per=layout.per)  # as in decompress
-    k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
-    scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
-    # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
-    signed = self.sign == "signed"
-    levels = SIGNED_LEVELS_4BIT
-    table = np.concatenate([levels, -levels]) if signed else NONNEGATIVE_LEVELS_4BIT
-    value = jax.lax.mul(lookup(table.astype(np.float32), k), scale)
-    return value if signed else _at_least_tiny(value, k)
+    """As :meth:`BlockScaledKind.decompress_once`: :meth:`decompress` by a table
+    of 16 levels (an odd last axis: by its arithmetic)."""
+    return self.decompress(stored, by_table=True)
