@@ -228,17 +228,6 @@ CODES: dict[Sign, _Code] = {
 }
 
 
-def _region_values(x: jax.Array, bounds: list[int], values: list[int]) -> jax.Array:
-  """Maps each int32 element of ``x`` to ``values[r]`` of the first region ``r``
-  whose lower bound ``bounds[r]`` (descending) it reaches, else ``values[-1]``."""
-  # full_like, not full: under explicit sharding it takes x's sharding.
-  out = jnp.full_like(x, values[-1], jnp.int32)
-  for bound, value in zip(reversed(bounds), reversed(values[:-1]), strict=True):
-    inside = jax.lax.ge(x, np.int32(bound))
-    out = jax.lax.select(inside, jnp.full_like(x, value, jnp.int32), out)
-  return out
-
-
 def level_table(sign: Sign, code: _Code | None = None) -> np.ndarray:
   """Returns the float32 level of each of the 256 codes of ``sign`` (or of any
   float-like ``code``) at scale 1, the sign bit applied: what
@@ -627,11 +616,18 @@ class EightBitCompressed(BlockScaledKind):
       a = jax.lax.min(a, np.float32(1))
     bits = jax.lax.bitcast_convert_type(a, jnp.int32)
     layout = code.layout
-    bounds = [low for low, _, _ in layout[:-1]]
     # In region r, level = base + ((bits - low + noise) >> shift), which is
-    # (bits + noise + (base << shift) - low) >> shift: an offset and a shift.
-    offset = _region_values(bits, bounds, [(c << sh) - low for low, c, sh in layout])
-    shift = _region_values(bits, bounds, [sh for _, _, sh in layout])
+    # (bits + noise + (base << shift) - low) >> shift: an offset and a shift,
+    # each element's those of the first region (from the top) whose ``low`` it
+    # reaches. full_like, not full: under explicit sharding it takes bits'.
+    columns = []
+    for values in ([(c << sh) - low for low, c, sh in layout], [sh for _, _, sh in layout]):
+      column = jnp.full_like(bits, values[-1], jnp.int32)
+      for (low, _, _), value in zip(layout[-2::-1], values[-2::-1], strict=True):
+        inside = jax.lax.ge(bits, np.int32(low))
+        column = jax.lax.select(inside, jnp.full_like(bits, value, jnp.int32), column)
+      columns.append(column)
+    offset, shift = columns
     one = np.int32(1)
     random = rounding.random_bits(key, applied_steps, shape)
     mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
@@ -673,10 +669,17 @@ class EightBitCompressed(BlockScaledKind):
     k = codes.astype(jnp.int32)
     magnitude = jax.lax.bitwise_and(k, np.int32(127)) if code.signed else k
     layout = code.layout
-    bounds = [c for _, c, _ in layout[:-1]]
-    # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) + (k << shift).
-    offset = _region_values(magnitude, bounds, [low - (c << sh) for low, c, sh in layout])
-    shift = _region_values(magnitude, bounds, [sh for _, _, sh in layout])
+    # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) +
+    # (k << shift): the offset and shift of the first region (from the top)
+    # whose ``base`` the code's magnitude reaches, as in :meth:`compress_against`.
+    columns = []
+    for values in ([low - (c << sh) for low, c, sh in layout], [sh for _, _, sh in layout]):
+      column = jnp.full_like(magnitude, values[-1], jnp.int32)
+      for (_, c, _), value in zip(layout[-2::-1], values[-2::-1], strict=True):
+        inside = jax.lax.ge(magnitude, np.int32(c))
+        column = jax.lax.select(inside, jnp.full_like(magnitude, value, jnp.int32), column)
+      columns.append(column)
+    offset, shift = columns
     bits = jax.lax.add(offset, jax.lax.shift_left(magnitude, shift))
     if code.signed:
       # The sign bit moves to float32's sign bit; the level's bits stay.
