@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import lowering, rounding
+from mpx._src import tree as tree_lib
 from mpx._src.states import (
   Bfloat16Moment,
   Nonnegative4bitMoment,
@@ -60,7 +61,8 @@ MIN_ROW_4BIT = 6
 
 _ONE_BITS = 0x3F800000  # bits of float32 1.0
 _TINY = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32
-# Salts xored into the caller's key: independent bits per format and sign.
+# Salts xored into the caller's key (None: the kind's): independent bits per
+# format and sign.
 _SALTS = {
   "bfloat16": 0x6A09E667,
   "signed": 0xBB67AE85,
@@ -124,26 +126,34 @@ def block_layout_4bit(n: int) -> tuple[int, int]:
   return _fit_blocks(n, MAX_BLOCK_4BIT, (range(MAX_BLOCK_4BIT // 2 + 2, MAX_BLOCK_4BIT + 1, 2),))
 
 
-def _unblocked(wide: jax.Array, n: int) -> jax.Array:
-  """Merges the last two axes of ``wide`` and drops the padding past ``n``."""
-  wide = wide.reshape((*wide.shape[:-2], wide.shape[-2] * wide.shape[-1]))
-  return jax.lax.slice_in_dim(wide, 0, n, axis=wide.ndim - 1) if wide.shape[-1] != n else wide
-
-
 def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """Broadcasts each 8-bit block's scale to its elements, in the leaf's
   ``shape``, so that a kernel rewriting the codes reads the old ones where it
   writes."""
   size, blocks = block_layout(shape)
   lead = shape[:-1] if shape else ()
+  n = shape[-1] if shape else 1
   wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
-  return _unblocked(wide, shape[-1] if shape else 1).reshape(shape)
+  # The blocks merged, the last one's padding dropped.
+  wide = wide.reshape((*lead, blocks * size))
+  if blocks * size != n:
+    wide = jax.lax.slice_in_dim(wide, 0, n, axis=len(lead))
+  return wide.reshape(shape)
 
 
 def _spread(scales: jax.Array, size: int, n: int) -> jax.Array:
   """Each 4-bit block's scale broadcast to its ``size`` elements, the first
-  ``n`` of a row kept."""
-  return _unblocked(jnp.broadcast_to(scales[..., None], (*scales.shape, size)), n)
+  ``n`` of a row kept (as :func:`_expand`, in a broadcast of its own form)."""
+  *lead, blocks = scales.shape
+  wide = jnp.broadcast_to(scales[..., None], (*lead, blocks, size))
+  wide = wide.reshape((*lead, blocks * size))
+  return wide if blocks * size == n else jax.lax.slice_in_dim(wide, 0, n, axis=len(lead))
+
+
+def _max_and_min(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """The signed block maxima's reduction: the larger of the first pair, the
+  smaller of the second (``tree.elementwise_max`` takes the larger of both)."""
+  return jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])
 
 
 def _block_max(
@@ -163,22 +173,9 @@ def _block_max(
     x = x.reshape((*x.shape[:-1], size // 2, 2))
     axes = (x.ndim - 2, x.ndim - 1)
   zero = np.float32(0)
-  second = jax.lax.min if signed else jax.lax.max
-
-  def reducer(
-    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
-  ) -> tuple[jax.Array, jax.Array]:
-    return jax.lax.max(a[0], b[0]), second(a[1], b[1])
-
+  reducer = _max_and_min if signed else tree_lib.elementwise_max
   largest, other = jax.lax.reduce((x, x), (zero, zero), reducer, axes)
   return jax.lax.max(largest, jax.lax.neg(other) if signed else other)
-
-
-def _salted(key: jax.Array | None, default: int, salt: str) -> jax.Array:
-  """Returns ``key`` (None: the kind's ``default`` key) with the salt of a
-  format and sign (``_SALTS``) xored in."""
-  key = jnp.uint32(default) if key is None else key
-  return jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS[salt]))
 
 
 def lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
@@ -229,17 +226,6 @@ CODES: dict[Sign, _Code] = {
   "signed": _float_code(True, ((3, 4), (0, 3))),  # 48 + 79 levels, down to 2**-12.68
   "nonnegative": _float_code(False, ((1, 6), (2, 4), (0, 3))),  # 64 + 32 + 159, to 2**-22.68
 }
-
-
-def _region_values(x: jax.Array, bounds: list[int], values: list[int]) -> jax.Array:
-  """Maps each int32 element of ``x`` to ``values[r]`` of the first region ``r``
-  whose lower bound ``bounds[r]`` (descending) it reaches, else ``values[-1]``."""
-  # full_like, not full: under explicit sharding it takes x's sharding.
-  out = jnp.full_like(x, values[-1], jnp.int32)
-  for bound, value in zip(reversed(bounds), reversed(values[:-1]), strict=True):
-    inside = jax.lax.ge(x, np.int32(bound))
-    out = jax.lax.select(inside, jnp.full_like(x, value, jnp.int32), out)
-  return out
 
 
 def level_table(sign: Sign, code: _Code | None = None) -> np.ndarray:
@@ -331,34 +317,6 @@ class _Layout(NamedTuple):
     per = 8 if size % 8 == 0 and body % 8 == 0 else 2
     return cls(tuple(lead), n, body, size, blocks, n % 2, per)
 
-  @classmethod
-  def of_codes(cls, codes_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> _Layout:
-    """The layout whose codes and scales have these shapes: ``n`` is odd where
-    the scales hold one more entry a row than the blocks."""
-    *lead, pairs = codes_shape
-    _, blocks = block_layout_4bit(2 * pairs)
-    if tuple(scales_shape[:-1]) != tuple(lead) or scales_shape[-1] not in (blocks, blocks + 1):
-      raise ValueError(
-        f"scales of shape {scales_shape} do not match codes of shape {codes_shape}: expected "
-        f"{(*lead, blocks)} (an even last axis) or {(*lead, blocks + 1)} (an odd one)"
-      )
-    return cls.of((*lead, 2 * pairs + scales_shape[-1] - blocks))
-
-
-def _with_tail(scales: jax.Array, x: jax.Array, sign: Sign, layout: _Layout) -> jax.Array:
-  """``scales``' first ``layout.blocks`` per row then, for an odd row, its last
-  element as stored: itself, signed; nonnegative, at least the smallest normal
-  if positive (read from the bits, so that a positive subnormal counts even
-  where the hardware flushes it to zero), 0 if not positive."""
-  if not layout.tail:
-    return scales
-  tail = x[..., layout.body :]
-  if sign == "nonnegative":
-    kept = jax.lax.max(tail, jnp.full_like(tail, _TINY))
-    positive = jax.lax.gt(jax.lax.bitcast_convert_type(tail, jnp.int32), np.int32(0))
-    tail = jax.lax.select(positive, kept, jnp.zeros_like(tail))
-  return jnp.concatenate([scales[..., : layout.blocks], tail], axis=-1)
-
 
 def _round(a: jax.Array, levels: np.ndarray, u: jax.Array) -> jax.Array:
   """The index of ``a`` (at least 0) among ``levels`` (ascending, from 0 to 1;
@@ -392,17 +350,6 @@ def _select_level(index: jax.Array, table: np.ndarray) -> jax.Array:
     level = [jax.lax.select(on, hi, lo) for lo, hi in zip(level[0::2], level[1::2], strict=True)]
     bit += 1
   return level[0]
-
-
-def _at_least_tiny(value: jax.Array, k: jax.Array) -> jax.Array:
-  """A nonnegative ``value`` kept at least float32's smallest normal (a product
-  below it would flush to zero), and 0 where its code ``k`` is 0. On the int32
-  bits (the product is not negative): one instruction, where float32's
-  NaN-propagating maximum takes three."""
-  bits = jax.lax.bitcast_convert_type(value, jnp.int32)
-  bits = jax.lax.max(bits, np.int32(_TINY.view(np.int32)))
-  value = jax.lax.bitcast_convert_type(bits, jnp.float32)
-  return jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
 
 
 def _pack(codes: jax.Array, per: int | None = None) -> jax.Array:
@@ -545,7 +492,9 @@ class Bfloat16Compressed:
     (None: the kind's). Magnitudes beyond bfloat16's largest finite value
     saturate at it."""
     x = rounding.canonical(jnp.asarray(value, jnp.float32))
-    bits = rounding.random_bits(_salted(key, self.key, "bfloat16"), applied_steps, x.shape)
+    key = jnp.uint32(self.key) if key is None else key
+    key = jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS["bfloat16"]))
+    bits = rounding.random_bits(key, applied_steps, x.shape)
     return Bfloat16Moment(rounding.stochastic_round(x, bits))
 
 
@@ -648,7 +597,8 @@ class EightBitCompressed(BlockScaledKind):
       scales = jnp.asarray(scales, jnp.float32)
       if scales.shape != expected:
         raise ValueError(f"scales of shape {scales.shape}, expected {expected}")
-    key = _salted(key, self.key, self.sign)
+    key = jnp.uint32(self.key) if key is None else key
+    key = jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), np.uint32(_SALTS[self.sign]))
     zero = np.float32(0)
     scales = self.maxima(x) if scales is None else scales
     if code.signed:
@@ -666,11 +616,18 @@ class EightBitCompressed(BlockScaledKind):
       a = jax.lax.min(a, np.float32(1))
     bits = jax.lax.bitcast_convert_type(a, jnp.int32)
     layout = code.layout
-    bounds = [low for low, _, _ in layout[:-1]]
     # In region r, level = base + ((bits - low + noise) >> shift), which is
-    # (bits + noise + (base << shift) - low) >> shift: an offset and a shift.
-    offset = _region_values(bits, bounds, [(c << sh) - low for low, c, sh in layout])
-    shift = _region_values(bits, bounds, [sh for _, _, sh in layout])
+    # (bits + noise + (base << shift) - low) >> shift: an offset and a shift,
+    # each element's those of the first region (from the top) whose ``low`` it
+    # reaches. full_like, not full: under explicit sharding it takes bits'.
+    columns = []
+    for values in ([(c << sh) - low for low, c, sh in layout], [sh for _, _, sh in layout]):
+      column = jnp.full_like(bits, values[-1], jnp.int32)
+      for (low, _, _), value in zip(layout[-2::-1], values[-2::-1], strict=True):
+        inside = jax.lax.ge(bits, np.int32(low))
+        column = jax.lax.select(inside, jnp.full_like(bits, value, jnp.int32), column)
+      columns.append(column)
+    offset, shift = columns
     one = np.int32(1)
     random = rounding.random_bits(key, applied_steps, shape)
     mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
@@ -712,10 +669,17 @@ class EightBitCompressed(BlockScaledKind):
     k = codes.astype(jnp.int32)
     magnitude = jax.lax.bitwise_and(k, np.int32(127)) if code.signed else k
     layout = code.layout
-    bounds = [c for _, c, _ in layout[:-1]]
-    # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) + (k << shift).
-    offset = _region_values(magnitude, bounds, [low - (c << sh) for low, c, sh in layout])
-    shift = _region_values(magnitude, bounds, [sh for _, _, sh in layout])
+    # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) +
+    # (k << shift): the offset and shift of the first region (from the top)
+    # whose ``base`` the code's magnitude reaches, as in :meth:`compress_against`.
+    columns = []
+    for values in ([low - (c << sh) for low, c, sh in layout], [sh for _, _, sh in layout]):
+      column = jnp.full_like(magnitude, values[-1], jnp.int32)
+      for (_, c, _), value in zip(layout[-2::-1], values[-2::-1], strict=True):
+        inside = jax.lax.ge(magnitude, np.int32(c))
+        column = jax.lax.select(inside, jnp.full_like(magnitude, value, jnp.int32), column)
+      columns.append(column)
+    offset, shift = columns
     bits = jax.lax.add(offset, jax.lax.shift_left(magnitude, shift))
     if code.signed:
       # The sign bit moves to float32's sign bit; the level's bits stay.
@@ -765,21 +729,33 @@ class FourBitCompressed(BlockScaledKind):
     size, blocks = block_layout_4bit(n - n % 2)
     return size if n % 2 == 0 and size * blocks == n else None
 
-  def maxima(self, value: jax.Array) -> jax.Array:
+  def maxima(self, value: jax.Array, block_maxima: jax.Array | None = None) -> jax.Array:
     """Returns float32 ``(*lead, n_blocks + n % 2)``: each row's block maxima
     (the largest magnitude, signed; the largest value, at least 0,
-    nonnegative), then for an odd row its last element as stored. Along the
-    last axis only: nothing is reduced across rows."""
+    nonnegative; or the first ``n_blocks`` of each row of ``block_maxima``,
+    where given), then for an odd row its last element as stored: itself,
+    signed; nonnegative, at least the smallest normal if positive (read from
+    the bits, so that a positive subnormal counts even where the hardware
+    flushes it to zero), 0 if not positive. Along the last axis only: nothing
+    is reduced across rows."""
     x = jnp.asarray(value, jnp.float32)
     layout = _Layout.of(x.shape)
-    # Blocks of words (8 codes) as they are: a moment decoded from words
-    # (``_unpack``) in here reads a word a vector. Else each block as (size /
-    # 2) pairs: the reduction's inner loops then run over a pair and over the
-    # bytes, which it reads a vector at a time.
-    body = x[..., : layout.body]
-    signed = self.sign == "signed"
-    scales = _block_max(body, layout.size, layout.blocks, signed, pairs=layout.per != 8)
-    return _with_tail(scales, x, self.sign, layout)
+    if block_maxima is None:
+      # Blocks of words (8 codes) as they are: a moment decoded from words
+      # (``_unpack``) in here reads a word a vector. Else each block as (size /
+      # 2) pairs: the reduction's inner loops then run over a pair and over the
+      # bytes, which it reads a vector at a time.
+      body = x[..., : layout.body]
+      signed = self.sign == "signed"
+      block_maxima = _block_max(body, layout.size, layout.blocks, signed, pairs=layout.per != 8)
+    if not layout.tail:
+      return block_maxima
+    tail = x[..., layout.body :]
+    if self.sign == "nonnegative":
+      kept = jax.lax.max(tail, jnp.full_like(tail, _TINY))
+      positive = jax.lax.gt(jax.lax.bitcast_convert_type(tail, jnp.int32), np.int32(0))
+      tail = jax.lax.select(positive, kept, jnp.zeros_like(tail))
+    return jnp.concatenate([block_maxima[..., : layout.blocks], tail], axis=-1)
 
   def compress_against(
     self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
@@ -789,7 +765,9 @@ class FourBitCompressed(BlockScaledKind):
     is given."""
     x = jnp.asarray(value, jnp.float32)
     layout = _Layout.of(x.shape)
-    key = _salted(key, self.key, f"4bit {self.sign}")
+    key = jnp.uint32(self.key) if key is None else key
+    salt = np.uint32(_SALTS[f"4bit {self.sign}"])
+    key = jax.lax.bitwise_xor(jnp.asarray(key).astype(jnp.uint32), salt)
     if scales is None:
       block_max = self.maxima(x)
     else:
@@ -797,7 +775,7 @@ class FourBitCompressed(BlockScaledKind):
       expected = (*layout.lead, layout.blocks + layout.tail)
       if block_max.shape != expected:
         raise ValueError(f"scales of shape {block_max.shape}, expected {expected}")
-      block_max = _with_tail(block_max, x, self.sign, layout)
+      block_max = self.maxima(x, block_max)
     if not layout.body:
       return STORED_TYPES_4BIT[self.sign](jnp.zeros((*layout.lead, 0), jnp.uint8), block_max)
     scale = _spread(block_max[..., : layout.blocks], layout.size, layout.body)
@@ -852,12 +830,22 @@ class FourBitCompressed(BlockScaledKind):
     codes = lowering.by_platform(codes, cpu=pack, accelerator=_pack_by_bitcast)
     return STORED_TYPES_4BIT[self.sign](codes, block_max)
 
-  def decompress(self, stored: FourBitMoment) -> jax.Array:
+  def decompress(self, stored: FourBitMoment, by_table: bool = False) -> jax.Array:
     """Returns the float32 leaf that ``stored`` codes, in the shape that was
-    coded: each level times its scale."""
+    coded: each level times its scale. ``by_table`` (:meth:`decompress_once`)
+    looks each code's level up in a table of 16, but for an odd last axis."""
     codes = jnp.asarray(stored.codes)
     scales = jnp.asarray(stored.scales, jnp.float32)
-    layout = _Layout.of_codes(codes.shape, scales.shape)
+    # The layout whose codes and scales have these shapes: ``n`` is odd where
+    # the scales hold one more entry a row than the blocks.
+    *lead, pairs = codes.shape
+    _, blocks = block_layout_4bit(2 * pairs)
+    if tuple(scales.shape[:-1]) != tuple(lead) or scales.shape[-1] not in (blocks, blocks + 1):
+      raise ValueError(
+        f"scales of shape {scales.shape} do not match codes of shape {codes.shape}: expected "
+        f"{(*lead, blocks)} (an even last axis) or {(*lead, blocks + 1)} (an odd one)"
+      )
+    layout = _Layout.of((*lead, 2 * pairs + scales.shape[-1] - blocks))
     tail = scales[..., layout.blocks :]
     if not layout.body:
       return tail
@@ -878,7 +866,13 @@ class FourBitCompressed(BlockScaledKind):
       unpack = functools.partial(_unpack, per=layout.per)
       k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
       scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
-    if self.sign == "signed":
+    if by_table and not layout.tail:
+      # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
+      levels = SIGNED_LEVELS_4BIT
+      signed = self.sign == "signed"
+      table = np.concatenate([levels, -levels]) if signed else NONNEGATIVE_LEVELS_4BIT
+      value = jax.lax.mul(lookup(table.astype(np.float32), k), scale)
+    elif self.sign == "signed":
       magnitude = _select_level(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), SIGNED_LEVELS_4BIT)
       # The code's sign bit moves to float32's: -level, exactly.
       sign = jax.lax.shift_left(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT)), np.int32(28))
@@ -889,7 +883,15 @@ class FourBitCompressed(BlockScaledKind):
       # float, zeroed below).
       bits = jax.lax.shift_left(jax.lax.add(k, np.int32(_FLOAT_BASE)), np.int32(_FLOAT_SHIFT))
       value = jax.lax.mul(jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
-      value = _at_least_tiny(value, k)
+    if self.sign == "nonnegative":
+      # At least float32's smallest normal (a product below it would flush to
+      # zero), and 0 where the code is 0. On the int32 bits (the product is not
+      # negative): one instruction, where float32's NaN-propagating maximum
+      # takes three.
+      bits = jax.lax.bitcast_convert_type(value, jnp.int32)
+      bits = jax.lax.max(bits, np.int32(_TINY.view(np.int32)))
+      value = jax.lax.bitcast_convert_type(bits, jnp.float32)
+      value = jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
     if layout.tail:
       last = value.ndim - 1
       at_tail = jax.lax.eq(
@@ -900,19 +902,6 @@ class FourBitCompressed(BlockScaledKind):
     return value
 
   def decompress_once(self, stored: FourBitMoment) -> jax.Array:
-    """As :meth:`BlockScaledKind.decompress_once`, each code's level looked up
-    in a table of 16 (an odd last axis: :meth:`decompress` itself)."""
-    codes = jnp.asarray(stored.codes)
-    scales = jnp.asarray(stored.scales, jnp.float32)
-    layout = _Layout.of_codes(codes.shape, scales.shape)
-    if layout.tail or not layout.body:
-      return self.decompress(stored)
-    unpack = functools.partial(_unpack, per=layout.per)  # as in decompress
-    k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
-    scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
-    # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
-    signed = self.sign == "signed"
-    levels = SIGNED_LEVELS_4BIT
-    table = np.concatenate([levels, -levels]) if signed else NONNEGATIVE_LEVELS_4BIT
-    value = jax.lax.mul(lookup(table.astype(np.float32), k), scale)
-    return value if signed else _at_least_tiny(value, k)
+    """As :meth:`BlockScaledKind.decompress_once`: :meth:`decompress` by a table
+    of 16 levels (an odd last axis: by its arithmetic)."""
+    return self.decompress(stored, by_table=True)
