@@ -121,7 +121,8 @@ def bytes_of(name: str, sign: mc.Sign, shape: tuple[int, ...]) -> float:
   if name == "f32":
     return 4.0
   kind = mc.EightBitCompressed(0, sign) if name == "8bit" else mc.FourBitCompressed(0, sign)
-  stored = kind.stored_like(jax.ShapeDtypeStruct(shape, jnp.float32))
+  like, step = jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+  stored = jax.eval_shape(kind.compress, like, step)
   return sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in stored) / np.prod(shape)
 
 

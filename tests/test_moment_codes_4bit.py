@@ -49,7 +49,10 @@ def maxima_4bit(x, sign):
 
 
 def stored_shapes(shape, sign):
-  return mc.FourBitCompressed(0, sign).stored_like(jax.ShapeDtypeStruct(shape, jnp.float32))
+  """The stored form's shapes, as the kind's compress makes it."""
+  like = jax.ShapeDtypeStruct(shape, jnp.float32)
+  step = jax.ShapeDtypeStruct((), jnp.int32)
+  return jax.eval_shape(mc.FourBitCompressed(0, sign).compress, like, step)
 
 
 # --- Independent references ---------------------------------------------------

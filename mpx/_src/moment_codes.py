@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import lowering, rounding
+from mpx._src import rounding
 from mpx._src import tree as tree_lib
 from mpx._src.states import (
   Bfloat16Moment,
@@ -436,10 +436,6 @@ class MomentKind(Protocol):
     """Tells whether what is stored differs from the leaf the inner rule made."""
     ...
 
-  def stored_like(self, leaf: Any) -> Any:
-    """Returns the abstract stored form of ``leaf`` (a shape and dtype)."""
-    ...
-
   def decompress(self, stored: Any) -> Any:
     """Returns the leaf, as the inner rule made it (float32), from ``stored``."""
     ...
@@ -455,9 +451,6 @@ class Uncompressed:
   """Keeps a leaf of the inner state as the inner rule made it."""
 
   compressed = False
-
-  def stored_like(self, leaf: Any) -> Any:
-    return leaf
 
   def decompress(self, stored: Any) -> Any:
     return stored
@@ -477,10 +470,6 @@ class Bfloat16Compressed:
 
   key: int
   compressed = True
-
-  def stored_like(self, leaf: Any) -> Any:
-    like: Any = jax.ShapeDtypeStruct(np.shape(leaf), jnp.bfloat16)
-    return Bfloat16Moment(like)
 
   def decompress(self, stored: Bfloat16Moment) -> jax.Array:
     """Returns the moment in float32 (exact)."""
@@ -511,10 +500,6 @@ class BlockScaledKind:
   key: int
   sign: Sign
   compressed = True
-
-  def stored_like(self, leaf: Any) -> Any:
-    """Returns the abstract stored form of ``leaf`` (its codes' and scales' shapes)."""
-    raise NotImplementedError
 
   def block_size(self, shape: tuple[int, ...]) -> int | None:
     """Returns the block size where the blocks tile the last axis exactly (then
@@ -566,13 +551,6 @@ class EightBitCompressed(BlockScaledKind):
   """The 8-bit code (a ``Signed8bitMoment`` or ``Nonnegative8bitMoment``): a
   uint8 level per element, of the float-like code ``CODES[sign]``, and a
   float32 scale per block of :func:`block_layout`."""
-
-  def stored_like(self, leaf: Any) -> Any:
-    shape = tuple(np.shape(leaf))
-    _, blocks = block_layout(shape)
-    codes: Any = jax.ShapeDtypeStruct(shape, jnp.uint8)
-    scales: Any = jax.ShapeDtypeStruct((*shape[:-1], blocks) if shape else (1,), jnp.float32)
-    return STORED_TYPES[self.sign](codes, scales)
 
   def block_size(self, shape: tuple[int, ...]) -> int | None:
     size, blocks = block_layout(shape)
@@ -718,12 +696,6 @@ class FourBitCompressed(BlockScaledKind):
   bits"). To nearest, a slow average's steps (Lion's ``mu`` moves 1% a step)
   would fall between its levels and the moment stall."""
 
-  def stored_like(self, leaf: Any) -> Any:
-    layout = _Layout.of(tuple(np.shape(leaf)))
-    codes: Any = jax.ShapeDtypeStruct((*layout.lead, layout.body // 2), jnp.uint8)
-    scales: Any = jax.ShapeDtypeStruct((*layout.lead, layout.blocks + layout.tail), jnp.float32)
-    return STORED_TYPES_4BIT[self.sign](codes, scales)
-
   def block_size(self, shape: tuple[int, ...]) -> int | None:
     n = shape[-1] if shape else 0
     size, blocks = block_layout_4bit(n - n % 2)
@@ -827,7 +799,7 @@ class FourBitCompressed(BlockScaledKind):
     # which the step reads and keeps the codes, so that XLA:GPU writes them in
     # place (docs/design.md, "Compressed moments at the byte floor").
     pack = functools.partial(_pack, per=layout.per)
-    codes = lowering.by_platform(codes, cpu=pack, accelerator=_pack_by_bitcast)
+    codes = tree_lib.by_platform(codes, cpu=pack, accelerator=_pack_by_bitcast)
     return STORED_TYPES_4BIT[self.sign](codes, block_max)
 
   def decompress(self, stored: FourBitMoment, by_table: bool = False) -> jax.Array:
@@ -864,7 +836,7 @@ class FourBitCompressed(BlockScaledKind):
       # ``kept_codes`` selects the new codes: read and written alike, XLA writes
       # the new codes over the old ones in place (read as bytes, it copies).
       unpack = functools.partial(_unpack, per=layout.per)
-      k = lowering.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
+      k = tree_lib.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
       scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
     if by_table and not layout.tail:
       # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
