@@ -35,7 +35,7 @@ SIGNS = mc.SIGNS
 
 def encode(x, sign, key, step, scales=None):
   """The stored 8-bit form of ``x`` (against ``scales``: a second pass)."""
-  return mc.EightBitCompressed(0, sign).compress_against(x, step, scales, key)
+  return mc.EightBitCompressed(0, sign).compress(x, step, key, scales)
 
 
 def kind_of(stored) -> mc.EightBitCompressed:

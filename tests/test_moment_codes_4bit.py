@@ -30,7 +30,7 @@ TINY = np.finfo(np.float32).tiny
 
 def encode_4bit(x, sign, key, step, scales=None):
   """The stored 4-bit form of ``x`` (against ``scales``: a second pass)."""
-  return mc.FourBitCompressed(0, sign).compress_against(x, step, scales, key)
+  return mc.FourBitCompressed(0, sign).compress(x, step, key, scales)
 
 
 def kind_of(stored) -> mc.FourBitCompressed:

@@ -173,7 +173,7 @@ class _Step:
             unscaling=unscaling,
             applied_steps=state.applied_steps,
             extra_args=extra_args,
-            decompress=two_pass.decompressed_once,
+            decompress=functools.partial(moments_lib.decompressed, by_table=True),
           ),
           stored,
           leaves,

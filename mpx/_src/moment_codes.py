@@ -494,7 +494,7 @@ class BlockScaledKind:
   the 8- and 4-bit kinds, alike but for their levels and layout. The
   accelerator's step codes them in two passes (``two_pass.first_pass``): the
   new moment's block maxima first (:meth:`maxima`, or a joint reduction over
-  :meth:`magnitude`), then the codes against them (:meth:`compress_against`).
+  :meth:`magnitude`), then the codes against them (:meth:`compress` with ``scales``).
   docs/design.md, "Compressed moments at the byte floor"."""
 
   key: int
@@ -508,11 +508,15 @@ class BlockScaledKind:
 
   def maxima(self, value: jax.Array) -> jax.Array:
     """Returns the scales :meth:`compress` would store for ``value``, as
-    :meth:`compress_against` takes them."""
+    :meth:`compress` takes them as ``scales``."""
     raise NotImplementedError
 
-  def compress_against(
-    self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
+  def compress(
+    self,
+    value: jax.Array,
+    applied_steps: jax.Array,
+    key: Any = None,
+    scales: jax.Array | None = None,
   ) -> Any:
     """Returns the stored form of ``value`` (float32, finite) coded against
     ``scales`` (None: :meth:`maxima`'s, in the same pass); an element above
@@ -533,9 +537,6 @@ class BlockScaledKind:
     XLA from writing codes in place, so it serves a pass that writes no codes
     (docs/design.md, "Compressed moments at the byte floor")."""
     raise NotImplementedError
-
-  def compress(self, value: jax.Array, applied_steps: jax.Array, key: Any = None) -> Any:
-    return self.compress_against(value, applied_steps, None, key)
 
   def magnitude(self, value: jax.Array) -> jax.Array:
     """Returns what a block's scale is the largest of, elementwise: ``|value|``
@@ -563,8 +564,12 @@ class EightBitCompressed(BlockScaledKind):
     rows = x.reshape((1,)) if x.ndim == 0 else x
     return _block_max(rows, *block_layout(x.shape), self.sign == "signed")
 
-  def compress_against(
-    self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
+  def compress(
+    self,
+    value: jax.Array,
+    applied_steps: jax.Array,
+    key: Any = None,
+    scales: jax.Array | None = None,
   ) -> EightBitMoment:
     code = CODES[self.sign]
     x = jnp.asarray(value, jnp.float32)
@@ -649,7 +654,7 @@ class EightBitCompressed(BlockScaledKind):
     layout = code.layout
     # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) +
     # (k << shift): the offset and shift of the first region (from the top)
-    # whose ``base`` the code's magnitude reaches, as in :meth:`compress_against`.
+    # whose ``base`` the code's magnitude reaches, as in :meth:`compress`.
     columns = []
     for values in ([low - (c << sh) for low, c, sh in layout], [sh for _, _, sh in layout]):
       column = jnp.full_like(magnitude, values[-1], jnp.int32)
@@ -729,10 +734,14 @@ class FourBitCompressed(BlockScaledKind):
       tail = jax.lax.select(positive, kept, jnp.zeros_like(tail))
     return jnp.concatenate([block_maxima[..., : layout.blocks], tail], axis=-1)
 
-  def compress_against(
-    self, value: jax.Array, applied_steps: jax.Array, scales: jax.Array | None, key: Any = None
+  def compress(
+    self,
+    value: jax.Array,
+    applied_steps: jax.Array,
+    key: Any = None,
+    scales: jax.Array | None = None,
   ) -> FourBitMoment:
-    """As :meth:`BlockScaledKind.compress_against`; an odd row's last element
+    """As :meth:`BlockScaledKind.compress`; an odd row's last element
     (the last entry of each row of ``scales``) is taken from ``value`` whatever
     is given."""
     x = jnp.asarray(value, jnp.float32)

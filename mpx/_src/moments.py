@@ -24,6 +24,7 @@ from mpx._src.moment_codes import (
   SIGNS,
   UNCOMPRESSED,
   Bfloat16Compressed,
+  BlockScaledKind,
   EightBitCompressed,
   FourBitCompressed,
   MomentKind,
@@ -262,8 +263,11 @@ def param_shape_of(stored: Any) -> tuple[int, ...]:
   return shape
 
 
-def decompressed(stored_inner: Any) -> Any:
-  """Returns ``stored_inner`` with every compressed moment decompressed to float32."""
+def decompressed(stored_inner: Any, by_table: bool = False) -> Any:
+  """Returns ``stored_inner`` with every compressed moment decompressed to
+  float32; ``by_table``: 8- and 4-bit codes by a table lookup, bitwise the
+  same values, for the accelerator's first pass, which writes no codes
+  (``two_pass.first_pass``; docs/design.md, "Compiler workarounds")."""
 
   def leaf(x: Any) -> Any:
     kind = KIND_OF_STORED.get(type(x))
@@ -271,6 +275,8 @@ def decompressed(stored_inner: Any) -> Any:
       return x
     if hasattr(x[0], "replace_boxed"):  # parts in flax linen boxes: the value boxed like them
       return x[0].replace_boxed(kind.decompress(type(x)(*(tree_lib.unboxed(p) for p in x))))
+    if by_table and isinstance(kind, BlockScaledKind):
+      return kind.decompress_once(x)
     return kind.decompress(x)
 
   return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
@@ -331,7 +337,7 @@ def _coded(
       stored.append(kind.compress(value, step))
       continue
     if scale is not None:
-      stored.append(kind.compress_against(value, step, scale))
+      stored.append(kind.compress(value, step, scales=scale))
       continue
     keyless, key = dataclasses.replace(kind, key=0), jnp.uint32(kind.key)
     stored.append(tree_lib.jitted_when_eager(type(kind).compress, keyless, value, step, key))

@@ -16,7 +16,7 @@ import numpy as np
 from mpx._src import moment_codes, storage, verdict
 from mpx._src import tree as tree_lib
 from mpx._src.moment_codes import BlockScaledKind
-from mpx._src.moments import BLOCK_SCALED_TYPES, KIND_OF_STORED, MomentsFormat, is_compressed
+from mpx._src.moments import BLOCK_SCALED_TYPES, MomentsFormat, is_compressed
 from mpx._src.states import Nonnegative4bitMoment, Signed4bitMoment
 
 
@@ -34,7 +34,7 @@ def first_pass(
 
   ``inner_step(stored, leaves)`` runs the inner rule on the masters and
   commits each leaf (``mixed_precision._Step._step_on_masters``, its old
-  moments read by :func:`decompressed_once`), returning ``(stored,
+  moments read by ``moments.decompressed(..., by_table=True)``), returning ``(stored,
   handoffs)``, the inner rule's new state as it made it. It runs here on its
   inputs behind ``lax.optimization_barrier``, which XLA does not look
   through, so that it cannot merge this computation of the new moments with
@@ -164,21 +164,6 @@ def stored_scales(stored_inner: Any) -> list[jax.Array | None]:
   return [x.scales if isinstance(x, BLOCK_SCALED_TYPES) else None for x in leaves]
 
 
-def decompressed_once(stored_inner: Any) -> Any:
-  """Returns ``stored_inner`` decompressed (bitwise as :func:`decompressed`)
-  for a pass that writes no codes: 8- and 4-bit codes by a table lookup."""
-
-  def leaf(x: Any) -> Any:
-    kind = KIND_OF_STORED.get(type(x))
-    if kind is None:
-      return x
-    if isinstance(kind, BlockScaledKind):
-      return kind.decompress_once(x)
-    return kind.decompress(x)
-
-  return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
-
-
 def kept(applied: jax.Array, new: Any, old: Any) -> Any:
   """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
   skipped step in the accelerator's program, ``verdict.run_if_finite``); an
@@ -200,25 +185,21 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
     # zero (fused into the scales' select) instead of reading the coder's.
     codes = jax.lax.optimization_barrier(codes)
     scales = jnp.where(applied, n.scales, o.scales)
-    return type(n)(codes, jax.lax.add(scales, _zero_per_block(codes, scales)))
+    # Zeros shaped like the scales, each read from its block's first code
+    # byte: elementwise, so that it stays on the device that holds the block
+    # wherever a mesh splits the moment (a scalar read from one element would
+    # be reduced across devices). Zero itself (no order) for a layout whose
+    # blocks do not tile the codes' last axis, or whose blocks an explicit
+    # mesh splits (jax refuses to slice a sharded axis there).
+    zero = jnp.zeros((), scales.dtype)
+    *lead, width = codes.shape
+    blocks = scales.shape[-1] if scales.ndim else 0
+    if tuple(lead) == scales.shape[:-1] and blocks and not width % blocks:
+      blocked = codes.reshape((*lead, blocks, width // blocks))
+      sharding = getattr(jax.typeof(blocked), "sharding", None)
+      spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
+      if len(spec) != blocked.ndim or spec[-1] is None:
+        zero = jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
+    return type(n)(codes, jax.lax.add(scales, zero))
 
   return jax.tree.map(leaf, new, old, is_leaf=is_compressed)
-
-
-def _zero_per_block(codes: jax.Array, scales: jax.Array) -> jax.Array:
-  """Returns zeros shaped like ``scales``, each read from its block's first code
-  byte: elementwise, so that it stays on the device that holds the block
-  wherever a mesh splits the moment (a scalar read from one element would
-  be reduced across devices). Zero itself (no order) for a layout whose
-  blocks do not tile the codes' last axis, or whose blocks an explicit mesh
-  splits (jax refuses to slice a sharded axis there)."""
-  *lead, width = codes.shape
-  blocks = scales.shape[-1] if scales.ndim else 0
-  if tuple(lead) != scales.shape[:-1] or not blocks or width % blocks:
-    return jnp.zeros((), scales.dtype)
-  blocked = codes.reshape((*lead, blocks, width // blocks))
-  sharding = getattr(jax.typeof(blocked), "sharding", None)
-  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
-  if len(spec) == blocked.ndim and spec[-1] is not None:
-    return jnp.zeros((), scales.dtype)
-  return jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
