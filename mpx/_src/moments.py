@@ -333,8 +333,8 @@ def _coded(
     )
   stored = []
   for kind, value, scale in zip(kinds, flat, against, strict=True):
-    if not kind.compressed:
-      stored.append(kind.compress(value, step))
+    if not kind.compressed:  # stored as the inner rule made it
+      stored.append(value)
       continue
     if scale is not None:
       stored.append(kind.compress(value, step, scales=scale))
