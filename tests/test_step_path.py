@@ -32,15 +32,15 @@ def calls():
   return traced()
 
 
-def test_one_fp16_step_reads_8_modules_35_functions_and_12_more_for_its_checks(calls):
+def test_one_fp16_step_reads_6_modules_45_functions_12_of_them_for_its_checks(calls):
   path = maintainability.step_path(calls)
-  outside = set(path.functions) - path.checks_only
-  assert len(path.files) <= 8, path.files
-  assert len(outside) <= 35, "\n".join(f"{f}:{name}" for f, name in sorted(outside))
+  assert len(path.files) <= 6, path.files
+  assert len(path.functions) <= 45, "\n".join(f"{f}:{name}" for f, name in path.functions)
   assert len(path.checks_only) <= 12, "\n".join(
     f"{f}:{name}" for f, name in sorted(path.checks_only)
   )
   # The checks are a side road: nothing in validation.py runs outside them.
+  outside = set(path.functions) - path.checks_only
   assert not any(f.endswith("validation.py") for f, _ in outside)
 
 
@@ -52,11 +52,11 @@ def test_each_transformation_checks_its_inputs_once_per_trace(calls):
   assert entries["check_gradients"] == 1  # the handover checks them in mixed_precision alone
 
 
-# The compressed steps' ceilings as they stand, each traced first in its
-# process (after other traces fewer calls are made: what they cached is not
-# called again), so that they only come down; the aim is 9 modules and 75
-# functions each, checks included.
-COMPRESSED_CEILINGS = {"remainder + 8bit step": (11, 119), "24bit + per-field step": (12, 148)}
+# The compressed steps' ceilings, each traced first in its process (after
+# other traces fewer calls are made: what they cached is not called again),
+# checks included. The 24-bit + per-field step's aim is 75 as well: what is
+# left above it is the 4-bit codes' own layout and packing (moment_codes.py).
+COMPRESSED_CEILINGS = {"remainder + 8bit step": (9, 75), "24bit + per-field step": (9, 91)}
 
 
 @pytest.mark.slow  # two traces of compressed steps: 15 s on 2 cores
