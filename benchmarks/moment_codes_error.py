@@ -71,8 +71,10 @@ DISTRIBUTIONS = ("gauss rows 1000x", "gauss cols 1000x", "heavy tails", "sparse"
 
 Encode = Callable[[Array, Array, Array], Any]  # (x, key, step) -> stored
 Decode = Callable[[Any], Array]
+Encoding = tuple[Encode, Decode]
 IDENTITY: tuple[Encode, Decode] = (lambda x, key, step: x, lambda x: x)
 ROUNDING = {False: "nearest", True: "stochastic"}
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = ", re.MULTILINE)  # a line of HLO text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +107,7 @@ def encode_bfloat16(x: Array, key: Array, step: Array, stochastic: bool) -> Arra
   return mc.Bfloat16Compressed(0).compress(x, step, key).values if stochastic else nearest
 
 
-def coder(
-  table: Any, sign: mc.Sign, stochastic: bool, four_bit: bool = False
-) -> tuple[Encode, Decode]:
+def coder(table: Any, sign: mc.Sign, stochastic: bool, four_bit: bool = False) -> Encoding:
   """One moment's encode and decode: mpx's 8-bit code (``table`` None, stochastic),
   else by a sorted table (None: the 8-bit levels) in the 8- (4-) bit code's blocks,
   absmax scales, rounded as told: variants mpx does not offer (to nearest)."""
@@ -123,11 +123,9 @@ def coder(
 
 
 def float_levels(signed: bool, regions: list[tuple[int, int]]) -> np.ndarray:
-  """The levels of a float-like code of ``(octaves, mantissa bits)`` regions, as
-  mpx's codes describe theirs, as a sorted table."""
-  return np.unique(
-    mc.level_table("signed" if signed else "nonnegative", mc._float_code(signed, tuple(regions)))
-  )
+  """The sorted levels of a float-like code of ``(octaves, mantissa bits)`` regions."""
+  sign = "signed" if signed else "nonnegative"
+  return np.unique(mc.level_table(sign, mc._float_code(signed, tuple(regions))))
 
 
 def power_levels(signed: bool, p: float) -> np.ndarray:
@@ -156,9 +154,8 @@ def linear_map(signed: bool) -> np.ndarray:
 def _rows(x: Array, four_bit: bool = False) -> Array:
   """``x``'s last axis cut into the blocks of mpx's 8-bit (or 4-bit) code."""
   layout = mc.block_layout_4bit(x.shape[-1]) if four_bit else mc.block_layout(x.shape)
-  size, blocks = layout
-  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size * blocks - x.shape[-1])])
-  return x.reshape((*x.shape[:-1], blocks, size))
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, layout[0] * layout[1] - x.shape[-1])])
+  return x.reshape((*x.shape[:-1], layout[1], layout[0]))
 
 
 def _table_encode(
@@ -365,22 +362,15 @@ def cost(n: int, repeats: int = 5) -> None:
     call()
     return 1e3 * min(timeit.repeat(call, number=1, repeat=repeats))
 
-  def instructions(f: Callable, *args: Any) -> int:
-    text = jax.jit(f).lower(*args).compile().as_text()
-    return sum(1 for line in text.splitlines() if re.match(r"\s*(ROOT )?%?[\w.-]+ = ", line))
-
+  round_trip = lambda kind, x, k, c: kind.decompress(kind.compress(x, c, k))  # noqa: E731
+  kinds = {f"8bit {s} stochastic": mc.EightBitCompressed(0, s) for s in mc.SIGNS}
+  kinds["bfloat16 stochastic"] = mc.Bfloat16Compressed(0)
   cases: dict[str, Callable] = {"float32 read + write (x + 1)": lambda x, k, c: x + 1.0}
-
-  def eight(x: Array, k: Array, c: Array, sign: mc.Sign) -> Array:
-    kind = mc.EightBitCompressed(0, sign)
-    return kind.decompress(kind.compress(x, c, k))
-
-  cases.update({f"8bit {s} stochastic": functools.partial(eight, sign=s) for s in mc.SIGNS})
-  bf16 = mc.Bfloat16Compressed(0)
-  cases["bfloat16 stochastic"] = lambda x, k, c: bf16.decompress(bf16.compress(x, c, k))
+  cases.update({name: functools.partial(round_trip, kind) for name, kind in kinds.items()})
   print(f"{'encode + decode':34} {'ms (min of 5)':>14} {'HLO instructions':>17}")
   for name, f in cases.items():
-    ms, n_instructions = timed(f, x, key, step), instructions(f, x, key, step)
+    text = jax.jit(f).lower(x, key, step).compile().as_text()
+    ms, n_instructions = timed(f, x, key, step), len(re.findall(INSTRUCTION, text))
     print(f"{name:34} {ms:>14.1f} {n_instructions:>17d}", flush=True)
   print()
 
