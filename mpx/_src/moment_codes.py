@@ -606,9 +606,9 @@ class EightBitCompressed(BlockScaledKind):
     columns = []
     for values in ([(c << sh) - low for low, c, sh in layout], [sh for _, _, sh in layout]):
       column = jnp.full_like(bits, values[-1], jnp.int32)
-      for (low, _, _), value in zip(layout[-2::-1], values[-2::-1], strict=True):
+      for (low, _, _), entry in zip(layout[-2::-1], values[-2::-1], strict=True):
         inside = jax.lax.ge(bits, np.int32(low))
-        column = jax.lax.select(inside, jnp.full_like(bits, value, jnp.int32), column)
+        column = jax.lax.select(inside, jnp.full_like(bits, entry, jnp.int32), column)
       columns.append(column)
     offset, shift = columns
     one = np.int32(1)
@@ -658,9 +658,9 @@ class EightBitCompressed(BlockScaledKind):
     columns = []
     for values in ([low - (c << sh) for low, c, sh in layout], [sh for _, _, sh in layout]):
       column = jnp.full_like(magnitude, values[-1], jnp.int32)
-      for (_, c, _), value in zip(layout[-2::-1], values[-2::-1], strict=True):
+      for (_, c, _), entry in zip(layout[-2::-1], values[-2::-1], strict=True):
         inside = jax.lax.ge(magnitude, np.int32(c))
-        column = jax.lax.select(inside, jnp.full_like(magnitude, value, jnp.int32), column)
+        column = jax.lax.select(inside, jnp.full_like(magnitude, entry, jnp.int32), column)
       columns.append(column)
     offset, shift = columns
     bits = jax.lax.add(offset, jax.lax.shift_left(magnitude, shift))

@@ -87,7 +87,8 @@ class MomentsFormat:
     for index, (owner, leaf) in enumerate(zip(owners, leaves, strict=True)):
       code, sign = per_field[owner[1]] if owner is not None else ("full", "signed")
       if (
-        code == "full"
+        owner is None
+        or code == "full"
         or not tree_lib.is_floating(leaf)
         or tree_lib.leaf_dtype(leaf) != jnp.float32
         or int(np.prod(np.shape(leaf))) < MIN_SIZE
