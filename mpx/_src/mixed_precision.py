@@ -303,7 +303,12 @@ class _Step:
       stored, leaves, unscaling, applied_steps, extra_args, moments_lib.decompressed
     )
     others = jax.tree.leaves([new.per_param, handoffs])
-    inner = moments_lib.compressed(self.moments_format, new.inner, applied_steps, others, scales)
+    store = functools.partial(moments_lib.compressed, self.moments_format, new.inner, applied_steps)
+    if scales is None:
+      inner = store(others)
+    else:  # the accelerator's second pass; XLA:CPU's program codes in one pass
+      second_pass = functools.partial(store, None, scales)
+      inner = tree_lib.by_platform(cpu=functools.partial(store, others), accelerator=second_pass)
     return _Stored(new.per_param, inner), handoffs
 
 

@@ -290,34 +290,15 @@ def compressed(
   others: list[Any] | None = None,
   scales: list[jax.Array | None] | None = None,
 ) -> Any:
-  """Returns the stored form of the inner rule's new state; ``others`` are the
-  step's other outputs, which every in-place write of a moment follows on
-  XLA:CPU (:func:`_written_after`; None: at init, nothing to follow).
-
-  ``scales`` (per leaf, as :func:`first_pass` returns them) are what the
-  accelerator's program codes each 8- or 4-bit moment against, its second
-  pass; XLA:CPU's program ignores them and codes in one pass, as it does
-  without them.
-  """
-  one_pass = functools.partial(_coded, moments_format, new_inner, applied_steps, others)
-  if scales is None:
-    return one_pass()
-  second_pass = functools.partial(_coded, moments_format, new_inner, applied_steps, None, scales)
-  return tree_lib.by_platform(cpu=one_pass, accelerator=second_pass)
-
-
-def _coded(
-  moments_format: MomentsFormat,
-  new_inner: Any,
-  applied_steps: jax.Array,
-  others: list[Any] | None,
-  scales: list[jax.Array | None] | None = None,
-) -> Any:
-  """Returns the stored form of ``new_inner``: a leaf with an entry in
-  ``scales`` coded against it, every other leaf in one pass; eagerly (an
-  init outside ``jit``) each leaf in one jitted call (``tree.jitted_when_eager``),
-  the leaf's key an argument rather than a constant, so that one compile
-  serves every leaf of a shape."""
+  """Returns the stored form of the inner rule's new state: a leaf with an
+  entry in ``scales`` (the accelerator's second pass, against the block
+  maxima ``two_pass.first_pass`` returns) coded against it, every other leaf
+  in one pass. ``others`` are the step's other outputs, which every in-place
+  write of a moment follows on XLA:CPU (:func:`_written_after`; None: at
+  init, nothing to follow). Eagerly (an init outside ``jit``) each leaf is
+  coded in one jitted call (``tree.jitted_when_eager``), the leaf's key an
+  argument rather than a constant, so that one compile serves every leaf of
+  a shape."""
   flat, treedef = jax.tree.flatten(new_inner)
   kinds: list[Any] = moments_format.kinds(new_inner)
   against = [None] * len(flat) if scales is None else scales
