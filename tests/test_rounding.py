@@ -54,20 +54,24 @@ def test_split_then_join_is_the_master_bit_for_bit():
 
 
 def test_float32_forms_equal_the_bfloat16_ones_bit_for_bit():
-  """remainder and landing_f32 are split's and landing's results computed
-  without the bfloat16 round trip (fewer ops to compile), on every pattern,
-  NaN and inf included."""
+  """round_ties_away_f32, remainder and landing_f32 are split's and
+  landing's results computed without the bfloat16 round trip (fewer ops to
+  compile), on every pattern, NaN and inf included."""
   patterns = np.concatenate(
     [VALUES, np.array([np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32)]
   ).astype(np.float32)
   x = jnp.asarray(patterns)
   param, remainder = jax.jit(rounding.split)(x)
+  as_f32 = np.asarray(jax.jit(rounding.round_ties_away_f32)(x)).view(np.uint32)
+  np.testing.assert_array_equal(as_f32, np.asarray(param).view(np.uint16).astype(np.uint32) << 16)
   np.testing.assert_array_equal(np.asarray(jax.jit(rounding.remainder)(x)), np.asarray(remainder))
   # A param far larger than its target: the float32 update rounds on landing.
   params = jnp.asarray(np.resize(np.array([1.0, -3e5, 2.0**-100, 0.0], np.float32), x.shape))
   params = params.astype(jnp.bfloat16)
   landed = jax.jit(rounding.landing)(params, param)
-  landed_f32 = np.asarray(jax.jit(rounding.landing_f32)(params, param.astype(jnp.float32)))
+  landed_f32 = np.asarray(
+    jax.jit(rounding.landing_f32)(params, jax.jit(rounding.round_ties_away_f32)(x))
+  )
   widened = np.asarray(landed).view(np.uint16).astype(np.uint32) << 16
   assert_same_bits_nan_as_nan(landed_f32, widened.view(np.float32))
 

@@ -34,6 +34,14 @@ def round_ties_away(master: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(top.astype(jnp.uint16), jnp.bfloat16)
 
 
+def round_ties_away_f32(master: jax.Array) -> jax.Array:
+  """Returns ``round_ties_away(master)`` as the float32 that holds it exactly
+  (half an ulp added, the low 16 bits cleared), saving the round trip through
+  bfloat16 where the result is used in float32."""
+  top = jax.lax.bitwise_and(jax.lax.add(to_bits(master), np.uint32(0x8000)), np.uint32(0xFFFF0000))
+  return from_bits(top)
+
+
 def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Splits a canonical float32 ``master`` into ``(param, remainder)``: its
   bfloat16 rounding (ties away) and the int16 that ``storage.Remainder.view``
@@ -46,14 +54,7 @@ def remainder(master: jax.Array) -> jax.Array:
   of ``master`` less those of its rounding (ties away), held in float32."""
   # The rounding is made as the float32 that holds it (as the param update
   # makes it) and read back as bits.
-  low = jax.lax.sub(
-    to_bits(master),
-    to_bits(
-      from_bits(
-        jax.lax.bitwise_and(jax.lax.add(to_bits(master), np.uint32(0x8000)), np.uint32(0xFFFF0000))
-      )
-    ),
-  )
+  low = jax.lax.sub(to_bits(master), to_bits(round_ties_away_f32(master)))
   # In int16's range already; the clamp keeps XLA:GPU (jax 0.11.2) from
   # computing a truncating convert of a computed float's bits as a
   # float-to-int conversion (zero for |x| < 1), which it did in some fusions.

@@ -248,12 +248,7 @@ class Remainder:
     if is_24bit:
       new = rounding.round_to_24bit(new)
     new = jax.lax.clamp(-rounding.LIMIT, new, rounding.LIMIT)  # rounding.canonical
-    # Its ties-away rounding, held in float32 (half an ulp added, low bits cleared).
-    rounded = rounding.from_bits(
-      jax.lax.bitwise_and(
-        jax.lax.add(rounding.to_bits(new), np.uint32(0x8000)), np.uint32(0xFFFF0000)
-      )
-    )
+    rounded = rounding.round_ties_away_f32(new)
     # Where apply_updates lands the param (rounding.landing_f32).
     param32 = jax.lax.convert_element_type(param, jnp.float32)
     landed = tree_lib.round_as(jax.lax.add(param32, jax.lax.sub(rounded, param32)), jnp.bfloat16)
@@ -292,12 +287,7 @@ class Remainder:
     through bfloat16), zero where not ``applied``. Computed after the cond, it
     fuses into ``optax.apply_updates``."""
     del stored
-    # The ties-away rounding, held in float32 (half an ulp added, low bits cleared).
-    target = rounding.from_bits(
-      jax.lax.bitwise_and(
-        jax.lax.add(rounding.to_bits(handoff.master), np.uint32(0x8000)), np.uint32(0xFFFF0000)
-      )
-    )
+    target = rounding.round_ties_away_f32(handoff.master)
     delta = jax.lax.sub(target, jnp.asarray(param).astype(jnp.float32))
     return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
 
