@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpx
 from mpx._src import moment_codes as mc
-from mpx._src import rounding, states
+from mpx._src import moments, rounding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -39,10 +39,8 @@ def encode(x, sign, key, step, scales=None):
 
 
 def kind_of(stored) -> mc.EightBitCompressed:
-  """The 8-bit kind of ``stored``'s sign."""
-  return mc.EightBitCompressed(
-    0, "signed" if isinstance(stored, states.Signed8bitMoment) else "nonnegative"
-  )
+  """The kind that decompresses ``stored`` (of its type's sign)."""
+  return moments.KIND_OF_STORED[type(stored)]
 
 
 def decode(stored):

@@ -34,10 +34,8 @@ def encode_4bit(x, sign, key, step, scales=None):
 
 
 def kind_of(stored) -> mc.FourBitCompressed:
-  """The 4-bit kind of ``stored``'s sign."""
-  return mc.FourBitCompressed(
-    0, "signed" if isinstance(stored, states.Signed4bitMoment) else "nonnegative"
-  )
+  """The kind that decompresses ``stored`` (of its type's sign)."""
+  return moments.KIND_OF_STORED[type(stored)]
 
 
 def decode_4bit(stored):
