@@ -4,6 +4,7 @@
 masters; wrap it in ``mpx.loss_scale`` for float16.
 """
 
+from mpx._src.accumulation import accumulate, accumulate_gradients
 from mpx._src.full_precision import init_from_full_precision
 from mpx._src.hyperparams import adjust
 from mpx._src.loss_scale import (
@@ -17,6 +18,7 @@ from mpx._src.mixed_precision import inner_state, master_params, mixed_precision
 from mpx._src.precision_check import MasterPrecisionError, check_master_precision
 from mpx._src.sharding import zero1_shardings
 from mpx._src.states import (
+  AccumulationState,
   Bfloat16Moment,
   LossScaleState,
   MixedPrecision24bitState,
@@ -36,6 +38,7 @@ from mpx._src.verdict import all_finite
 __version__ = "0.1.0"
 
 __all__ = [
+  "AccumulationState",
   "Bfloat16Moment",
   "LossScaleState",
   "MasterPrecisionError",
@@ -47,6 +50,8 @@ __all__ = [
   "Nonnegative8bitMoment",
   "Signed4bitMoment",
   "Signed8bitMoment",
+  "accumulate",
+  "accumulate_gradients",
   "adjust",
   "all_finite",
   "cast_tree",

@@ -27,7 +27,7 @@ from mpx._src import (
 )
 from mpx._src import moments as moments_lib
 from mpx._src import tree as tree_lib
-from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
+from mpx._src.states import MIXED_PRECISION_STATES, AccumulationState, LossScaleState
 
 
 def mixed_precision(
@@ -124,7 +124,7 @@ class _Step:
     ]
     masters = [storage.viewed(kind, s, p) for kind, s, p in zip(kinds, stored, flat, strict=True)]
     inner_state = tree_lib.strong_types(self.inner.init(treedef.unflatten(masters)))
-    _refuse_loss_scale_inside(inner_state)
+    _refuse_wrappers_inside(inner_state)
     # optax's params placeholder (tree_map_params, zero1_shardings) stands for
     # the whole tree: the inner state it makes has no moment fields to find.
     if not variables.is_optax_placeholder(params):
@@ -406,7 +406,14 @@ def _require_dtype_enabled(dtype: Any) -> None:
     )
 
 
-def _refuse_loss_scale_inside(inner_state: Any) -> None:
+def _refuse_wrappers_inside(inner_state: Any) -> None:
+  if state_search.find_states(inner_state, AccumulationState):
+    raise ValueError(
+      "mixed_precision wraps an mpx.accumulate: every micro-batch would run "
+      "mixed_precision's whole step for nothing, and mpx.accumulate_gradients would "
+      "bypass its verdict. Nest them the other way: "
+      "mpx.accumulate(mpx.mixed_precision(inner), k)."
+    )
   if state_search.find_states(inner_state, LossScaleState):
     raise ValueError(
       "mixed_precision wraps a loss_scale: on an overflow its skip would roll "

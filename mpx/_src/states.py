@@ -224,3 +224,27 @@ class LossScaleState(NamedTuple):
   skipped_steps: jax.Array
   last_step_finite: jax.Array
   inner_state: optax.OptState
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`mpx.accumulate`; ``mini_step``, ``gradient_step`` and
+  ``acc_grads`` are named as ``optax.MultiSteps`` names them, for trainers
+  that read them with ``optax.tree.get``.
+
+  Attributes:
+    mini_step: int32, the micro-batches summed in the current window.
+    gradient_step: int32, the windows ended (each ran the inner rule once).
+    window_finite: bool, whether every micro-batch of the current window was
+      finite (where one was not, its accumulator elements hold zero).
+    acc_grads: the window's sum of gradients so far, float32 or bfloat16, at
+      each floating param leaf (``optax.MaskedNode()`` at the others). After
+      a window ends it holds that window's sum until the next micro-batch
+      starts the next (so the step that ends a window writes it only once).
+    inner_state: the wrapped rule's state.
+  """
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  window_finite: jax.Array
+  acc_grads: optax.Updates
+  inner_state: optax.OptState

@@ -1,0 +1,183 @@
+"""The whole training step's peak on an H100, compiled here without one.
+
+One jit of loss, gradient, update and ``optax.apply_updates`` (params and
+state donated) on a stack of MLP blocks, unrolled or under ``lax.scan``; with
+accumulation, also the micro-step (``mpx.accumulate_gradients``, the state
+donated). Per param: what the step keeps (params, state, accumulator), its
+transient peak (``memory_analysis().temp_size_in_bytes``) and the bytes its
+kernels move (gpu_hlo.py). ``python benchmarks/whole_step.py [--blocks 8
+--width 1024 --batch 64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import mpx  # noqa: E402
+from benchmarks.gpu_hlo import profile  # noqa: E402
+from benchmarks.gpu_variants import topology  # noqa: E402
+
+K = 4  # micro-batches per window in the accumulation rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A residual stack of ``blocks`` MLP blocks ``x + relu(x @ up) @ down`` of
+  ``width`` (hidden ``4 * width``), bfloat16 params, a float32 loss."""
+
+  blocks: int = 8
+  width: int = 1024
+  batch: int = 64
+  scanned: bool = False
+
+  def shapes(self) -> dict[str, tuple[int, ...]]:
+    up, down = (self.width, 4 * self.width), (4 * self.width, self.width)
+    if self.scanned:
+      return {"up": (self.blocks, *up), "down": (self.blocks, *down)}
+    return {f"{name}{i}": s for i in range(self.blocks) for name, s in (("up", up), ("down", down))}
+
+  @property
+  def params(self) -> int:
+    return sum(int(np.prod(s)) for s in self.shapes().values())
+
+  def loss(self, params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    def block(x: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+      return x + jax.nn.relu(x @ up) @ down
+
+    if self.scanned:
+      x, _ = jax.lax.scan(lambda x, w: (block(x, *w), None), x, (params["up"], params["down"]))
+    else:
+      for i in range(self.blocks):
+        x = block(x, params[f"up{i}"], params[f"down{i}"])
+    return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One step's figures, per param."""
+
+  name: str
+  kept: float  # params, state and accumulator, as the step's arguments hold them
+  transient: float  # the step's temporaries at their peak
+  moved: float  # every kernel's operands and results
+  conditionals: int
+
+  @property
+  def total(self) -> float:
+    return self.kept + self.transient
+
+
+def _abstract(tree: Any, sharding: Any) -> Any:
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+
+
+def measure(
+  name: str, model: Model, tx: optax.GradientTransformation, micro_step: bool = False
+) -> Row:
+  """Compiles ``tx``'s whole step (or, with ``micro_step``, its accumulation
+  micro-step) for one H100 and reads its figures."""
+  sharding = jax.sharding.SingleDeviceSharding(topology().devices[0])
+  params = {
+    k: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for k, s in model.shapes().items()
+  }
+  state = _abstract(jax.eval_shape(tx.init, params), sharding)
+  batch = jax.ShapeDtypeStruct((model.batch, model.width), jnp.bfloat16, sharding=sharding)
+
+  def step(params, state, batch):
+    grads = jax.grad(model.loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def micro(params, state, batch):
+    return mpx.accumulate_gradients(jax.grad(model.loss)(params, batch), state)
+
+  jitted = jax.jit(micro, donate_argnums=1) if micro_step else jax.jit(step, donate_argnums=(0, 1))
+  compiled = jitted.trace(params, state, batch).lower(lowering_platforms=("cuda",)).compile()
+  n = model.params
+  kept = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, state)))
+  p = profile(compiled)
+  return Row(name, kept / n, p.scratch / n, p.bytes / n, p.conditionals)
+
+
+def rows(model: Model) -> list[tuple[str, Callable[[], optax.GradientTransformation], bool]]:
+  """The steps compared: optax beside mpx, with and without accumulation."""
+  adamw = lambda: optax.adamw(1e-3)  # noqa: E731
+  mp = lambda **kw: lambda: mpx.mixed_precision(optax.adamw(1e-3), **kw)  # noqa: E731
+  r24 = mp(masters="24bit", moments="4bit")
+  acc = lambda make, **kw: lambda: mpx.accumulate(make(), K, **kw)  # noqa: E731
+  return [
+    ("optax adamw", adamw, False),
+    ("mpx remainder + 4bit", mp(masters="remainder", moments="4bit"), False),
+    ("mpx 24bit + 4bit", r24, False),
+    ("mpx stochastic + 4bit", mp(masters="stochastic", moments="4bit"), False),
+    (f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(adamw(), K), False),
+    (f"optax.MultiSteps(mpx 24bit + 4bit, {K})", lambda: optax.MultiSteps(r24(), K), False),
+    (f"mpx.accumulate(24bit + 4bit, {K}), applying", acc(r24), False),
+    (f"mpx.accumulate(24bit + 4bit, {K}), micro-step", acc(r24), True),
+    (
+      f"mpx.accumulate(24bit + 4bit, {K}, bfloat16), applying",
+      acc(r24, accumulator="bfloat16"),
+      False,
+    ),
+    (
+      f"mpx.accumulate(24bit + 4bit, {K}, bfloat16), micro-step",
+      acc(r24, accumulator="bfloat16"),
+      True,
+    ),
+    (
+      f"mpx.accumulate(remainder + 4bit, {K}), applying",
+      acc(mp(masters="remainder", moments="4bit")),
+      False,
+    ),
+  ]
+
+
+def table(model: Model) -> list[str]:
+  """Renders the table's lines, printing each as it comes."""
+  lines = [
+    f"{model.blocks} MLP blocks of width {model.width}, batch {model.batch}, "
+    f"{'scanned' if model.scanned else 'unrolled'}: {model.params / 1e6:.0f}M bfloat16 params; "
+    f"compiled for an H100 by XLA (jax {jax.__version__}), not run. Bytes per param.",
+    "",
+    "| step | kept | transient | total | moved | conditionals |",
+    "|:--|--:|--:|--:|--:|--:|",
+  ]
+  print("\n".join(lines), flush=True)
+  for name, make, micro_step in rows(model):
+    row = measure(name, model, make(), micro_step)
+    lines.append(
+      f"| {row.name} | {row.kept:.2f} | {row.transient:.2f} | {row.total:.2f} | "
+      f"{row.moved:.1f} | {row.conditionals} |"
+    )
+    print(lines[-1], flush=True)
+  return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--blocks", type=int, default=8)
+  parser.add_argument("--width", type=int, default=1024)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--scanned", action="store_true")
+  args = parser.parse_args(argv)
+  table(Model(args.blocks, args.width, args.batch, args.scanned))
+
+
+if __name__ == "__main__":
+  main()

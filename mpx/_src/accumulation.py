@@ -1,0 +1,245 @@
+"""``accumulate``: gradients summed over micro-batches, each micro-step a
+program of its own that only adds (docs/howto.md, "Accumulate gradients")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpx._src import rounding, state_search, validation, verdict
+from mpx._src import tree as tree_lib
+from mpx._src.states import AccumulationState
+
+ACCUMULATORS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Salts the accumulator's random bits apart from the stochastic masters' own.
+_SALT = 0x41CC
+
+
+def accumulate(
+  inner: optax.GradientTransformation,
+  every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
+  *,
+  accumulator: str = "float32",
+) -> optax.GradientTransformationExtraArgs:
+  """Sums gradients over ``every_k_schedule`` micro-batches, then runs ``inner``
+  on their mean once.
+
+  ``optax.MultiSteps(tx, k)`` becomes ``mpx.accumulate(tx, k)``. Its ``update``
+  behaves as MultiSteps' (zero updates until the window is full), so any
+  trainer can call it on every micro-batch; a loop that knows which
+  micro-batch ends the window runs the others through
+  :func:`mpx.accumulate_gradients`, a program that only adds (no optimizer
+  work: docs/howto.md). The mean reaches an mpx ``inner`` in float32; any
+  other rule gets it in the gradients' own dtype, as from MultiSteps. A
+  window in which any micro-batch's gradient held inf or NaN reaches
+  ``inner`` as NaN: an mpx ``inner`` skips it and counts one skip, and
+  ``mpx.loss_scale`` backs off (wrap it, not the other way round). The
+  accumulator itself stays finite.
+
+  Args:
+    inner: the rule to run once per window, e.g. ``mpx.mixed_precision(...)``.
+    every_k_schedule: micro-batches per window: an int, or a function of the
+      ``gradient_step`` count returning one (as ``optax.MultiSteps`` takes).
+    accumulator: ``"float32"`` (4 bytes per param) or ``"bfloat16"`` (2,
+      rounded stochastically, so the sum stays unbiased).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    :class:`~mpx.AccumulationState`; ``update`` forwards extra arguments.
+
+  Raises:
+    ValueError: for a bad ``every_k_schedule`` or ``accumulator``.
+    TypeError: if ``inner`` is not a gradient transformation.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> tx = mpx.accumulate(mpx.mixed_precision(optax.sgd(1.0)), 2)
+    >>> params = {"w": jnp.zeros(2, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> state = mpx.accumulate_gradients({"w": jnp.ones(2, jnp.bfloat16)}, state)
+    >>> updates, state = tx.update({"w": jnp.full(2, 2.0, jnp.bfloat16)}, state, params)
+    >>> updates["w"].tolist(), int(state.gradient_step), int(state.mini_step)
+    ([-1.5, -1.5], 1, 0)
+  """
+  validation.check_transformation(inner)
+  inner = optax.with_extra_args_support(inner)
+  every_k = _check_schedule(every_k_schedule)
+  if accumulator not in ACCUMULATORS:
+    raise ValueError(
+      f"accumulate: accumulator must be one of {', '.join(map(repr, ACCUMULATORS))}, "
+      f"got {accumulator!r}."
+    )
+  accumulator_dtype = ACCUMULATORS[accumulator]
+  # Decided once, here: an mpx rule given directly takes the sums with the
+  # scale to divide them by (verdict.TakesLossScaledGradients).
+  hands_over = isinstance(inner, verdict.TakesLossScaledGradients)
+
+  def init_fn(params: optax.Params) -> AccumulationState:
+    zero = jnp.zeros((), jnp.int32)
+    return AccumulationState(
+      mini_step=zero,
+      gradient_step=zero,
+      window_finite=jnp.ones((), bool),
+      acc_grads=jax.tree.map(lambda p: _zeros(p, accumulator_dtype), params),
+      inner_state=inner.init(params),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _check_state(state, "update")
+    window = _Window.adding(updates, state)
+    stored = window.stored(state)
+    emit = window.micro_batches >= every_k(state.gradient_step)
+    if hands_over:
+      # The stored sums themselves, in the accumulator's buffer, with 1/count
+      # as the scale to unscale them by: mpx's two passes then read the sums
+      # there, not a float32 mean materialised beside them.
+      inverse = jnp.where(window.finite, 1.0 / window.micro_batches.astype(jnp.float32), jnp.nan)
+      new_updates, new_inner, _ = inner.update_with_verdict(
+        stored, state.inner_state, params, verdict.Unscaling(inverse, False), **extra_args
+      )
+    else:
+      mean = jax.tree.map(
+        lambda acc, g: _mean(acc, g, window), stored, updates, is_leaf=tree_lib.is_masked_node
+      )
+      new_updates, new_inner = inner.update(mean, state.inner_state, params, **extra_args)
+    zeros = jax.tree.map(jnp.zeros_like, new_updates)
+    return tree_lib.select_tree(emit, new_updates, zeros), AccumulationState(
+      mini_step=jnp.where(emit, 0, window.micro_batches),
+      gradient_step=state.gradient_step + emit.astype(jnp.int32),
+      window_finite=jnp.logical_or(emit, window.finite),
+      acc_grads=stored,
+      inner_state=tree_lib.select_tree(emit, new_inner, state.inner_state),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def accumulate_gradients(grads: optax.Updates, opt_state: optax.OptState) -> optax.OptState:
+  """Adds one micro-batch's ``grads`` to the :func:`accumulate` state in ``opt_state``.
+
+  The micro-step of a loop that chooses on the host which micro-batch ends
+  the window (it calls ``tx.update`` for that one): it reads the gradients
+  and the accumulator and writes the accumulator, with no optimizer work and
+  no conditional. Jit it as its own program, ``opt_state`` donated.
+
+  Args:
+    grads: the micro-batch's gradients, shaped like the params.
+    opt_state: an optimizer state holding exactly one :class:`~mpx.AccumulationState`
+      (at any depth, e.g. under ``optax.inject_hyperparams``).
+
+  Returns:
+    ``opt_state`` with that state's ``acc_grads``, ``mini_step`` and
+    ``window_finite`` advanced.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no accumulation state, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> tx = mpx.accumulate(optax.sgd(0.1), 4, accumulator="bfloat16")
+    >>> state = tx.init({"w": jnp.zeros(3)})
+    >>> state = mpx.accumulate_gradients({"w": jnp.ones(3)}, state)
+    >>> int(state.mini_step), state.acc_grads["w"].tolist()
+    (1, [1.0, 1.0, 1.0])
+  """
+  found = state_search.find_states(opt_state, AccumulationState)
+  if len(found) != 1:
+    raise ValueError(
+      f"accumulate_gradients: opt_state holds {len(found)} mpx.accumulate states; "
+      "pass a state holding exactly one."
+    )
+  _check_state(found[0], "accumulate_gradients")
+
+  def added(state: AccumulationState) -> AccumulationState:
+    window = _Window.adding(grads, state)
+    return state._replace(
+      mini_step=window.micro_batches, window_finite=window.finite, acc_grads=window.stored(state)
+    )
+
+  return state_search.replace_states(opt_state, AccumulationState, added)
+
+
+class _Window(NamedTuple):
+  """The window with one more micro-batch: its float32 sums (a tree like the
+  accumulator, ``MaskedNode`` kept), the micro-batch count, and whether the
+  micro-batches were all finite. The window's first micro-batch starts the
+  sums afresh: the accumulator still holds the last window's, so that the
+  step that ends a window writes nothing to it but its sums."""
+
+  sums: Any
+  micro_batches: jax.Array
+  finite: jax.Array
+
+  @classmethod
+  def adding(cls, grads: Any, state: AccumulationState) -> _Window:
+    fresh = state.mini_step == 0
+    sums = jax.tree.map(
+      lambda acc, g: _add(acc, g, fresh), state.acc_grads, grads, is_leaf=tree_lib.is_masked_node
+    )
+    finite = jnp.logical_or(fresh, state.window_finite)
+    for s in jax.tree.leaves(sums):
+      finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(s)))
+    return cls(sums, state.mini_step + 1, finite)
+
+  def stored(self, state: AccumulationState) -> Any:
+    """The sums as the accumulator holds them: non-finite elements as zero (the
+    window is lost already), bfloat16 rounded stochastically."""
+    leaves, treedef = jax.tree.flatten(state.acc_grads)
+    treedef = cast(Any, treedef)  # jax's stubs lack flatten_up_to
+    sums = treedef.flatten_up_to(self.sums)
+    stored = []
+    for index, (acc, s) in enumerate(zip(leaves, sums, strict=True)):
+      s = jnp.where(jnp.isfinite(s), s, 0.0)
+      if acc.dtype == jnp.bfloat16:
+        key = jnp.uint32(rounding.leaf_key(_SALT, index)) ^ (
+          state.mini_step.astype(jnp.uint32) * np.uint32(0x9E3779B9)
+        )
+        s = rounding.stochastic_round(s, rounding.random_bits(key, state.gradient_step, s.shape))
+      stored.append(s.astype(acc.dtype))
+    return treedef.unflatten(stored)
+
+
+def _mean(acc: Any, grad: Any, window: _Window) -> Any:
+  """One leaf's mean over the window in the gradient's dtype (as MultiSteps
+  hands it on); NaN unless the whole window was finite."""
+  if tree_lib.is_masked_node(acc):  # no accumulator: the gradient as it came
+    return grad
+  mean = jnp.where(window.finite, acc.astype(jnp.float32) / window.micro_batches, jnp.nan)
+  return mean.astype(jnp.asarray(grad).dtype)
+
+
+def _add(acc: Any, grad: Any, fresh: jax.Array) -> Any:
+  if tree_lib.is_masked_node(acc):
+    return acc
+  grad = jnp.asarray(grad).astype(jnp.float32)
+  return jnp.where(fresh, grad, acc.astype(jnp.float32) + grad)
+
+
+def _zeros(param: Any, dtype: Any) -> Any:
+  if not tree_lib.is_floating(param):
+    return optax.MaskedNode()
+  return jnp.zeros(np.shape(param), dtype)
+
+
+def _check_schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
+  if callable(every_k_schedule):
+    return every_k_schedule
+  if isinstance(every_k_schedule, bool) or not isinstance(every_k_schedule, int | np.integer):
+    raise ValueError(
+      "accumulate: every_k_schedule must be a positive int or a function of the "
+      f"gradient step, got {every_k_schedule!r}."
+    )
+  if every_k_schedule < 1:
+    raise ValueError(f"accumulate: every_k_schedule must be at least 1, got {every_k_schedule}.")
+  k = int(every_k_schedule)
+  return lambda step: k
+
+
+def _check_state(state: Any, name: str) -> None:
+  if not isinstance(state, AccumulationState):
+    raise ValueError(f"{name}: expected an mpx.AccumulationState, got {type(state).__name__}.")

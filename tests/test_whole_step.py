@@ -1,0 +1,68 @@
+"""The whole training step compiled for an H100 (benchmarks/whole_step.py), at a small size.
+
+What accumulation must be on a GPU: a micro-step with no conditional that
+holds and moves about what adding a gradient needs, and a step ending the
+window that holds far less than mpx inside `optax.MultiSteps`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import optax
+import pytest
+
+import mpx
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from test_gpu_compile import require_cuda_compiler  # noqa: E402
+
+from benchmarks import whole_step  # noqa: E402
+
+MODEL = whole_step.Model(blocks=2, width=256, batch=16)
+
+
+def mpx_24bit_4bit() -> optax.GradientTransformation:
+  return mpx.mixed_precision(optax.adamw(1e-3), masters="24bit", moments="4bit")
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, whole_step.Row]:
+  require_cuda_compiler()
+  k = whole_step.K
+  steps = {
+    "adamw": (optax.adamw(1e-3), False),
+    "multisteps": (optax.MultiSteps(mpx_24bit_4bit(), k), False),
+    "applying": (mpx.accumulate(mpx_24bit_4bit(), k, accumulator="bfloat16"), False),
+    "micro": (mpx.accumulate(mpx_24bit_4bit(), k, accumulator="bfloat16"), True),
+  }
+  return {name: whole_step.measure(name, MODEL, tx, micro) for name, (tx, micro) in steps.items()}
+
+
+def test_no_step_has_a_conditional(rows):
+  assert {name: row.conditionals for name, row in rows.items()} == dict.fromkeys(rows, 0)
+
+
+def test_the_micro_step_keeps_params_state_and_a_2_byte_accumulator(rows):
+  # params 2 + 24-bit corrections 1 + 4-bit moments 1.06 + accumulator 2
+  assert rows["micro"].kept == pytest.approx(6.06, abs=0.01)
+
+
+def test_the_micro_step_moves_what_adding_a_gradient_needs(rows):
+  """Beside the forward and backward passes (plain AdamW's step less its
+  update), at most the gradient's read, the accumulator's read and write
+  (6 bytes a param) and one more."""
+  adamw_update = 2 + 2 + 2 * 2 + 2 * 2 + 2  # grad, param, moments in and out, param out
+  passes = rows["adamw"].moved - adamw_update
+  assert rows["micro"].moved <= passes + 6 + 1
+
+
+def test_ending_the_window_holds_less_than_mpx_inside_multisteps(rows):
+  assert rows["applying"].total < rows["multisteps"].total - 2
+  assert rows["micro"].transient <= rows["adamw"].transient + 0.1
