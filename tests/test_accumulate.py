@@ -58,7 +58,14 @@ def test_plain_rule_matches_optax_multisteps(inner):
 
 
 @pytest.mark.parametrize("accumulator", ["float32", "bfloat16"])
-@pytest.mark.parametrize("masters", ["full", "remainder", "24bit", "stochastic"])
+@pytest.mark.parametrize(
+  "masters",
+  [
+    "full",
+    "24bit",
+    *(pytest.param(m, marks=pytest.mark.slow) for m in ("remainder", "stochastic")),
+  ],
+)
 def test_mixed_precision_receives_the_float32_mean(masters, accumulator):
   """Against `mixed_precision` fed numpy's float32 mean of each window: bit for
   bit with a float32 accumulator (K a power of two: the mean is exact), within
