@@ -63,6 +63,10 @@ def test_the_micro_step_moves_what_adding_a_gradient_needs(rows):
   assert rows["micro"].moved <= passes + 6 + 1
 
 
-def test_ending_the_window_holds_less_than_mpx_inside_multisteps(rows):
-  assert rows["applying"].total < rows["multisteps"].total - 2
-  assert rows["micro"].transient <= rows["adamw"].transient + 0.1
+def test_both_programs_hold_no_more_beside_params_state_and_accumulator_than_adamw(rows):
+  """At this size; on benchmarks/whole_step.py's 67M params XLA:GPU fuses the
+  8 same-shaped leaves' accumulation into one kernel, which holds their
+  gradients (docs/benchmarks_whole_step.md)."""
+  for name in ("applying", "micro"):
+    assert rows[name].transient <= rows["adamw"].transient + 0.1, name
+  assert rows["applying"].total <= 6.8 < rows["multisteps"].total - 2

@@ -1,19 +1,19 @@
-"""``accumulate``: gradients summed over micro-batches, each micro-step a
+"""``accumulate``: gradients averaged over micro-batches, each micro-step a
 program of its own that only adds (docs/howto.md, "Accumulate gradients")."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import rounding, state_search, validation, verdict
+from mpx._src import rounding, state_search, validation
 from mpx._src import tree as tree_lib
-from mpx._src.states import AccumulationState
+from mpx._src.states import MIXED_PRECISION_STATES, AccumulationState
 
 ACCUMULATORS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Salts the accumulator's random bits apart from the stochastic masters' own.
@@ -26,27 +26,27 @@ def accumulate(
   *,
   accumulator: str = "float32",
 ) -> optax.GradientTransformationExtraArgs:
-  """Sums gradients over ``every_k_schedule`` micro-batches, then runs ``inner``
-  on their mean once.
+  """Averages gradients over ``every_k_schedule`` micro-batches, then runs
+  ``inner`` on their mean once.
 
   ``optax.MultiSteps(tx, k)`` becomes ``mpx.accumulate(tx, k)``. Its ``update``
   behaves as MultiSteps' (zero updates until the window is full), so any
   trainer can call it on every micro-batch; a loop that knows which
   micro-batch ends the window runs the others through
   :func:`mpx.accumulate_gradients`, a program that only adds (no optimizer
-  work: docs/howto.md). The mean reaches an mpx ``inner`` in float32; any
-  other rule gets it in the gradients' own dtype, as from MultiSteps. A
-  window in which any micro-batch's gradient held inf or NaN reaches
-  ``inner`` as NaN: an mpx ``inner`` skips it and counts one skip, and
-  ``mpx.loss_scale`` backs off (wrap it, not the other way round). The
-  accumulator itself stays finite.
+  work: docs/howto.md). The mean reaches a rule holding an mpx state as the
+  accumulator holds it (float32, or bfloat16 exactly widened); any other
+  rule gets it in the gradients' own dtype, as from MultiSteps. An inf or
+  NaN in any micro-batch stays in the window's mean: an mpx ``inner`` skips
+  the window and counts one skip, and ``mpx.loss_scale`` backs off (wrap it,
+  not the other way round); the next window starts afresh.
 
   Args:
     inner: the rule to run once per window, e.g. ``mpx.mixed_precision(...)``.
     every_k_schedule: micro-batches per window: an int, or a function of the
       ``gradient_step`` count returning one (as ``optax.MultiSteps`` takes).
     accumulator: ``"float32"`` (4 bytes per param) or ``"bfloat16"`` (2,
-      rounded stochastically, so the sum stays unbiased).
+      rounded stochastically, so the running mean stays unbiased).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -75,44 +75,32 @@ def accumulate(
       f"got {accumulator!r}."
     )
   accumulator_dtype = ACCUMULATORS[accumulator]
-  # Decided once, here: an mpx rule given directly takes the sums with the
-  # scale to divide them by (verdict.TakesLossScaledGradients).
-  hands_over = isinstance(inner, verdict.TakesLossScaledGradients)
 
   def init_fn(params: optax.Params) -> AccumulationState:
     zero = jnp.zeros((), jnp.int32)
     return AccumulationState(
       mini_step=zero,
       gradient_step=zero,
-      window_finite=jnp.ones((), bool),
       acc_grads=jax.tree.map(lambda p: _zeros(p, accumulator_dtype), params),
       inner_state=inner.init(params),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
     _check_state(state, "update")
-    window = _Window.adding(updates, state)
-    stored = window.stored(state)
-    emit = window.micro_batches >= every_k(state.gradient_step)
-    if hands_over:
-      # The stored sums themselves, in the accumulator's buffer, with 1/count
-      # as the scale to unscale them by: mpx's two passes then read the sums
-      # there, not a float32 mean materialised beside them.
-      inverse = jnp.where(window.finite, 1.0 / window.micro_batches.astype(jnp.float32), jnp.nan)
-      new_updates, new_inner, _ = inner.update_with_verdict(
-        stored, state.inner_state, params, verdict.Unscaling(inverse, False), **extra_args
-      )
-    else:
-      mean = jax.tree.map(
-        lambda acc, g: _mean(acc, g, window), stored, updates, is_leaf=tree_lib.is_masked_node
-      )
-      new_updates, new_inner = inner.update(mean, state.inner_state, params, **extra_args)
+    acc_grads = _added(updates, state)
+    micro_batches = state.mini_step + 1
+    emit = micro_batches >= every_k(state.gradient_step)
+    # An mpx rule reads the mean where the accumulator holds it (its two
+    # passes read it there, no float32 copy beside it); others as MultiSteps.
+    mean = acc_grads
+    if not state_search.find_states(state.inner_state, MIXED_PRECISION_STATES):
+      mean = jax.tree.map(_as_grad, acc_grads, updates, is_leaf=tree_lib.is_masked_node)
+    new_updates, new_inner = inner.update(mean, state.inner_state, params, **extra_args)
     zeros = jax.tree.map(jnp.zeros_like, new_updates)
     return tree_lib.select_tree(emit, new_updates, zeros), AccumulationState(
-      mini_step=jnp.where(emit, 0, window.micro_batches),
+      mini_step=jnp.where(emit, 0, micro_batches),
       gradient_step=state.gradient_step + emit.astype(jnp.int32),
-      window_finite=jnp.logical_or(emit, window.finite),
-      acc_grads=stored,
+      acc_grads=acc_grads,
       inner_state=tree_lib.select_tree(emit, new_inner, state.inner_state),
     )
 
@@ -133,8 +121,7 @@ def accumulate_gradients(grads: optax.Updates, opt_state: optax.OptState) -> opt
       (at any depth, e.g. under ``optax.inject_hyperparams``).
 
   Returns:
-    ``opt_state`` with that state's ``acc_grads``, ``mini_step`` and
-    ``window_finite`` advanced.
+    ``opt_state`` with that state's ``acc_grads`` and ``mini_step`` advanced.
 
   Raises:
     ValueError: if ``opt_state`` holds no accumulation state, or several.
@@ -156,68 +143,45 @@ def accumulate_gradients(grads: optax.Updates, opt_state: optax.OptState) -> opt
   _check_state(found[0], "accumulate_gradients")
 
   def added(state: AccumulationState) -> AccumulationState:
-    window = _Window.adding(grads, state)
-    return state._replace(
-      mini_step=window.micro_batches, window_finite=window.finite, acc_grads=window.stored(state)
-    )
+    return state._replace(mini_step=state.mini_step + 1, acc_grads=_added(grads, state))
 
   return state_search.replace_states(opt_state, AccumulationState, added)
 
 
-class _Window(NamedTuple):
-  """The window with one more micro-batch: its float32 sums (a tree like the
-  accumulator, ``MaskedNode`` kept), the micro-batch count, and whether the
-  micro-batches were all finite. The window's first micro-batch starts the
-  sums afresh: the accumulator still holds the last window's, so that the
-  step that ends a window writes nothing to it but its sums."""
-
-  sums: Any
-  micro_batches: jax.Array
-  finite: jax.Array
-
-  @classmethod
-  def adding(cls, grads: Any, state: AccumulationState) -> _Window:
-    fresh = state.mini_step == 0
-    sums = jax.tree.map(
-      lambda acc, g: _add(acc, g, fresh), state.acc_grads, grads, is_leaf=tree_lib.is_masked_node
-    )
-    finite = jnp.logical_or(fresh, state.window_finite)
-    for s in jax.tree.leaves(sums):
-      finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(s)))
-    return cls(sums, state.mini_step + 1, finite)
-
-  def stored(self, state: AccumulationState) -> Any:
-    """The sums as the accumulator holds them: non-finite elements as zero (the
-    window is lost already), bfloat16 rounded stochastically."""
-    leaves, treedef = jax.tree.flatten(state.acc_grads)
-    treedef = cast(Any, treedef)  # jax's stubs lack flatten_up_to
-    sums = treedef.flatten_up_to(self.sums)
-    stored = []
-    for index, (acc, s) in enumerate(zip(leaves, sums, strict=True)):
-      s = jnp.where(jnp.isfinite(s), s, 0.0)
-      if acc.dtype == jnp.bfloat16:
-        key = jnp.uint32(rounding.leaf_key(_SALT, index)) ^ (
-          state.mini_step.astype(jnp.uint32) * np.uint32(0x9E3779B9)
-        )
-        s = rounding.stochastic_round(s, rounding.random_bits(key, state.gradient_step, s.shape))
-      stored.append(s.astype(acc.dtype))
-    return treedef.unflatten(stored)
+def _added(grads: Any, state: AccumulationState) -> Any:
+  """The accumulator with one more micro-batch: the window's running mean
+  (``m + (g - m) / n`` in float32, as MultiSteps keeps it: the mean stays in
+  the gradients' range, where a bfloat16 sum would lose a bit each time it
+  doubled), bfloat16 rounded stochastically; inf and NaN kept. The window's
+  first micro-batch starts afresh: the accumulator still holds the last
+  window's mean, so the step ending a window writes it once."""
+  fresh = state.mini_step == 0
+  n = (state.mini_step + 1).astype(jnp.float32)
+  leaves, treedef = jax.tree.flatten(state.acc_grads)
+  treedef = cast(Any, treedef)  # jax's stubs lack flatten_up_to
+  added = []
+  for index, (acc, grad) in enumerate(zip(leaves, treedef.flatten_up_to(grads), strict=True)):
+    grad = jnp.asarray(grad).astype(jnp.float32)
+    mean = acc.astype(jnp.float32)
+    mean = jnp.where(fresh, grad, mean + (grad - mean) / n)
+    if acc.dtype == jnp.bfloat16:
+      key = jnp.uint32(rounding.leaf_key(_SALT, index)) ^ (
+        state.mini_step.astype(jnp.uint32) * np.uint32(0x9E3779B9)
+      )
+      bits = rounding.random_bits(key, state.gradient_step, mean.shape)
+      # stochastic_round saturates inf; adding mean - mean (0, or NaN where
+      # mean is not finite) keeps it for the verdict. A jnp.where choosing
+      # between the two made XLA:GPU hold the float32 means beside the step.
+      mean = rounding.stochastic_round(mean, bits) + (mean - mean).astype(jnp.bfloat16)
+    added.append(mean.astype(acc.dtype))
+  return treedef.unflatten(added)
 
 
-def _mean(acc: Any, grad: Any, window: _Window) -> Any:
-  """One leaf's mean over the window in the gradient's dtype (as MultiSteps
-  hands it on); NaN unless the whole window was finite."""
-  if tree_lib.is_masked_node(acc):  # no accumulator: the gradient as it came
+def _as_grad(mean: Any, grad: Any) -> Any:
+  """One leaf's mean in its gradient's dtype (as MultiSteps hands it on)."""
+  if tree_lib.is_masked_node(mean):  # no accumulator: the gradient as it came
     return grad
-  mean = jnp.where(window.finite, acc.astype(jnp.float32) / window.micro_batches, jnp.nan)
   return mean.astype(jnp.asarray(grad).dtype)
-
-
-def _add(acc: Any, grad: Any, fresh: jax.Array) -> Any:
-  if tree_lib.is_masked_node(acc):
-    return acc
-  grad = jnp.asarray(grad).astype(jnp.float32)
-  return jnp.where(fresh, grad, acc.astype(jnp.float32) + grad)
 
 
 def _zeros(param: Any, dtype: Any) -> Any:

@@ -232,19 +232,18 @@ class AccumulationState(NamedTuple):
   that read them with ``optax.tree.get``.
 
   Attributes:
-    mini_step: int32, the micro-batches summed in the current window.
+    mini_step: int32, the micro-batches averaged in the current window.
     gradient_step: int32, the windows ended (each ran the inner rule once).
-    window_finite: bool, whether every micro-batch of the current window was
-      finite (where one was not, its accumulator elements hold zero).
-    acc_grads: the window's sum of gradients so far, float32 or bfloat16, at
-      each floating param leaf (``optax.MaskedNode()`` at the others). After
-      a window ends it holds that window's sum until the next micro-batch
-      starts the next (so the step that ends a window writes it only once).
+    acc_grads: the mean of the window's gradients so far, float32 or
+      bfloat16, at each floating param leaf (``optax.MaskedNode()`` at the
+      others), inf or NaN where a micro-batch held them (its window is then
+      skipped). After a window ends it holds that window's mean until the
+      next micro-batch starts the next (so the step that ends a window writes
+      it only once).
     inner_state: the wrapped rule's state.
   """
 
   mini_step: jax.Array
   gradient_step: jax.Array
-  window_finite: jax.Array
   acc_grads: optax.Updates
   inner_state: optax.OptState
