@@ -8,12 +8,14 @@ nothing but the accumulator, and to equal calling `update` on every micro-batch.
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
 from treecheck import tree_equal
 
 import mpx
+from mpx._src import compat
 
 K = 4
 
@@ -212,3 +214,47 @@ def test_accumulator_error_as_docs_benchmarks_whole_step_md_says(k):
   assert f32[0] < 1e-6
   assert nearest[0] < sr[0] < 2 * nearest[0]
   assert abs(sr[1]) <= 1e-5 < abs(nearest[1]) / 10
+
+
+def test_flax_train_state_calls_update_on_every_micro_batch():
+  """`TrainState.apply_gradients` on every micro-batch: the params move once
+  a window, to where `mixed_precision` fed the window's mean puts them."""
+  from flax.training import train_state
+
+  grads = micro_batches(2 * K, shape=(4096,))
+  params = {"w": jnp.asarray(np.linspace(-1, 1, 4096), jnp.bfloat16)}
+  make = lambda: mpx.mixed_precision(optax.adam(1e-3), masters="remainder")  # noqa: E731
+  state = train_state.TrainState.create(
+    apply_fn=None, params=params, tx=mpx.accumulate(make(), K, accumulator="bfloat16")
+  )
+  apply = jax.jit(lambda s, g: s.apply_gradients(grads={"w": g}))
+  for g in grads:
+    state = apply(state, g.astype(jnp.bfloat16))
+  expected, _ = run(mpx.accumulate(make(), K, accumulator="bfloat16"), grads, params)
+  assert tree_equal(state.params, expected[-1])
+  assert int(optax.tree.get(state.opt_state, "gradient_step")) == 2
+
+
+@jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
+def test_nnx_optimizer_calls_update_on_every_micro_batch():
+  from flax import nnx
+
+  model = nnx.Linear(4, 2, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  initial = np.asarray(model.kernel[...], np.float32).copy()
+  tx = mpx.accumulate(mpx.mixed_precision(optax.sgd(0.1)), 2, accumulator="bfloat16")
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  x = jnp.ones((3, 4), jnp.bfloat16)
+
+  @nnx.jit
+  def step(model, optimizer):
+    grads = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+    optimizer.update(model, grads)
+
+  kernels = []
+  for _ in range(4):
+    step(model, optimizer)
+    kernels.append(np.asarray(model.kernel[...], np.float32).copy())
+  assert np.array_equal(kernels[0], initial)
+  assert not np.array_equal(kernels[1], kernels[0])  # the first window ends
+  assert np.array_equal(kernels[2], kernels[1])
+  assert int(nnx.as_pure(optimizer.opt_state).gradient_step) == 2
