@@ -194,6 +194,9 @@ class Row:
     rounded_masters: whether those masters keep fewer bits than the FP32
       weights (``masters="24bit"``): they then start at the weights' rounding
       (``allow_rounding=True``).
+    micro_batches: into how many micro-batches each step's batch is split;
+      all but the last are added by ``mpx.accumulate_gradients`` (``tx`` is
+      an ``mpx.accumulate``), so each step sees the same data as every row.
   """
 
   name: str
@@ -203,6 +206,7 @@ class Row:
   worse_by: float | None = None
   masters: bool = True
   rounded_masters: bool = False
+  micro_batches: int = 1
 
 
 BF16, FP16 = jnp.bfloat16, jnp.float16
@@ -233,6 +237,18 @@ ROWS = (
     lambda adamw, s: mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed),
     tolerance=0.01,
     rounded_masters=True,
+  ),
+  Row(
+    "bf16 24bit + 4bit, accumulate 4",
+    BF16,
+    lambda adamw, s: mpx.accumulate(
+      mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed),
+      4,
+      accumulator="bfloat16",
+    ),
+    tolerance=0.01,
+    rounded_masters=True,
+    micro_batches=4,
   ),
   Row(
     "bf16 stochastic + 4bit moments",
@@ -384,13 +400,22 @@ def prepare(row: Row, settings: Settings, data: dict[str, jax.Array], fp32_param
       # The batch depends only on the step number: the same in every row.
       tokens = lm.sample_batch(corpus, jax.random.fold_in(key, step_id), batch, context)
 
-      def scaled_loss(p):
+      def scaled_loss(p, tokens):
         loss = lm.token_losses(model, p, tokens).mean()
         # Times the loss scale held in opt_state, or times 1 where it holds
         # none, so this one step serves every row.
         return mpx.scale_loss(loss, opt_state), loss
 
-      grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+      # With accumulation, the batch in micro-batches: all but the last only
+      # add their gradients to the accumulator, the last one ends the window.
+      micro = tokens.reshape(row.micro_batches, -1, *tokens.shape[1:])
+      losses = []
+      for tokens in micro[:-1]:
+        grads, loss = jax.grad(scaled_loss, has_aux=True)(params, tokens)
+        opt_state = mpx.accumulate_gradients(grads, opt_state)
+        losses.append(loss)
+      grads, loss = jax.grad(scaled_loss, has_aux=True)(params, micro[-1])
+      loss = jnp.mean(jnp.stack([*losses, loss]))
       scale = mpx.get_loss_scale(opt_state)  # the scale this step's loss used
       # mpx unscales the gradients itself, skips steps with inf/NaN gradients,
       # and returns float32 updates that land each 16-bit param on its master.

@@ -35,6 +35,7 @@ ROWS = {
   "bf16 stochastic": ("bfloat16", 8.0),
   "bf16 remainder + 8bit moments": ("bfloat16", 2.0 + EIGHT_BIT_MOMENTS),
   "bf16 24bit + 4bit moments": ("bfloat16", 1.0 + FOUR_BIT_MOMENTS),
+  "bf16 24bit + 4bit, accumulate 4": ("bfloat16", 1.0 + FOUR_BIT_MOMENTS + 2.0),
   "bf16 stochastic + 4bit moments": ("bfloat16", FOUR_BIT_MOMENTS),
   "fp16+mpx+scale": ("float16", 12.0),
   "bf16 no masters": ("bfloat16", 4.0),
