@@ -24,6 +24,11 @@ validation loss must meet:
   top 8 bits of the remainder (a 24-bit master, rounded to nearest each
   step) and half a byte per moment and element, a float32 scale per block of
   at most 128: about 2 bytes per parameter, the leanest state with a master.
+* ``bf16 24bit + 4bit, accumulate 4``: the same, each step's batch split in
+  4 micro-batches: ``mpx.accumulate(..., 4, accumulator="bfloat16")`` holds
+  their running mean (2 more bytes per parameter), the first three only
+  added by ``mpx.accumulate_gradients``; it must follow FP32 as its
+  unaccumulated twin does.
 * ``bf16 stochastic + 4bit moments``: no master and 4-bit moments, about 1
   byte per parameter; within 2% of FP32, as ``bf16 stochastic``.
 * ``fp16+mpx+scale``: fp16 params and compute with
@@ -38,12 +43,13 @@ of at least 4,096 elements (under ``"8bit"`` with a last axis of at least 16,
 under ``"4bit"`` of at least 6; smaller leaves stay float32), and the table's
 ``state B/param`` counts every byte. At the default size 98% of the params
 (110,592 of 112,384) have compressed moments: the table shows 4.27 for 8 bits,
-2.30 and 1.30 for 4 bits, whose extra 0.27 and 0.30 are the small leaves'
-float32 moments (0.13) and the blocks' scales (most of them the attention's
-``qkv`` kernel, whose last axis, the head size, is 16: a float32 scale per 16
-elements). At the smoke size only 69% do (12,288 of 17,888: the embedding and
-the MLP; the positions and attention kernels are under 4,096 elements): 6.01,
-4.32 and 3.32.
+2.30 and 1.30 for 4 bits (4.30 with the accumulator), whose extra 0.27 and
+0.30 are the small leaves' float32 moments (0.13) and the blocks' scales
+(most of them the attention's ``qkv`` kernel, whose last axis, the head size,
+is 16: a float32 scale per 16 elements). At the smoke size only 69% do
+(12,288 of 17,888: the embedding and the MLP; the positions and attention
+kernels are under 4,096 elements): 6.01, 4.32 (6.32 with the accumulator)
+and 3.32.
 
 In every row the attention softmax and the final softmax/cross-entropy run in
 float32; everything else computes in the params' dtype. The whole run of each
