@@ -31,7 +31,7 @@ import optax  # noqa: E402
 
 import mpx  # noqa: E402
 from benchmarks.gpu_hlo import profile  # noqa: E402
-from benchmarks.gpu_variants import topology  # noqa: E402
+from benchmarks.gpu_variants import mode_name, topology  # noqa: E402
 
 K = 4  # micro-batches per window in the accumulation rows
 
@@ -115,40 +115,40 @@ def measure(
   return Row(name, kept / n, p.scratch / n, p.bytes / n, p.conditionals)
 
 
-def rows(model: Model) -> list[tuple[str, Callable[[], optax.GradientTransformation], bool]]:
-  """The steps compared: optax beside mpx, with and without accumulation."""
-  adamw = lambda: optax.adamw(1e-3)  # noqa: E731
-  mp = lambda **kw: lambda: mpx.mixed_precision(optax.adamw(1e-3), **kw)  # noqa: E731
-  r24 = mp(masters="24bit", moments="4bit")
-  acc = lambda make, **kw: lambda: mpx.accumulate(make(), K, **kw)  # noqa: E731
-  return [
-    ("optax adamw", adamw, False),
-    ("mpx remainder + 4bit", mp(masters="remainder", moments="4bit"), False),
-    ("mpx 24bit + 4bit", r24, False),
-    ("mpx stochastic + 4bit", mp(masters="stochastic", moments="4bit"), False),
-    (f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(adamw(), K), False),
-    (f"optax.MultiSteps(mpx 24bit + 4bit, {K})", lambda: optax.MultiSteps(r24(), K), False),
-    (f"mpx.accumulate(24bit + 4bit, {K}), applying", acc(r24), False),
-    (f"mpx.accumulate(24bit + 4bit, {K}), micro-step", acc(r24), True),
-    (
-      f"mpx.accumulate(24bit + 4bit, {K}, bfloat16), applying",
-      acc(r24, accumulator="bfloat16"),
-      False,
-    ),
-    (
-      f"mpx.accumulate(24bit + 4bit, {K}, bfloat16), micro-step",
-      acc(r24, accumulator="bfloat16"),
-      True,
-    ),
-    (
-      f"mpx.accumulate(remainder + 4bit, {K}), applying",
-      acc(mp(masters="remainder", moments="4bit")),
-      False,
-    ),
-  ]
+Maker = Callable[[], optax.GradientTransformation]
+MASTERS = ("full", "remainder", "24bit", "stochastic")
+MOMENTS: tuple[str | dict[str, str], ...] = ("full", "8bit", "4bit", {"mu": "8bit", "nu": "4bit"})
 
 
-def table(model: Model) -> list[str]:
+def rows(every_mode: bool = True) -> list[tuple[str, Maker, bool]]:
+  """The steps compared: optax's beside mpx's (every masters x moments mode,
+  or with ``every_mode=False`` the 4-bit ones), and accumulation, by
+  ``optax.MultiSteps`` and by ``mpx.accumulate`` (its two programs) with 4-bit
+  moments and each masters mode (bfloat16 accumulator; float32 too for the
+  exact and 24-bit masters)."""
+  mp = lambda m, f: lambda: mpx.mixed_precision(optax.adamw(1e-3), masters=m, moments=f)  # noqa: E731
+  steps: list[tuple[str, Maker, bool]] = [("optax adamw", lambda: optax.adamw(1e-3), False)]
+  for masters in MASTERS:
+    for moments in MOMENTS if every_mode else ("4bit",):
+      steps.append((mode_name(masters, moments), mp(masters, moments), False))
+  steps.append(
+    (f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(optax.adamw(1e-3), K), False)
+  )
+  r24 = mp("24bit", "4bit")
+  steps.append(
+    (f"optax.MultiSteps(mpx 24bit + 4bit, {K})", lambda: optax.MultiSteps(r24(), K), False)
+  )
+  for masters in MASTERS:
+    for accumulator in ("bfloat16", "float32"):
+      if accumulator == "float32" and masters not in ("remainder", "24bit"):
+        continue
+      make = lambda m=masters, a=accumulator: mpx.accumulate(mp(m, "4bit")(), K, accumulator=a)  # noqa: E731
+      name = f"mpx.accumulate({masters} + 4bit, {K}, {accumulator})"
+      steps += [(f"{name}, applying", make, False), (f"{name}, micro-step", make, True)]
+  return steps
+
+
+def table(model: Model, every_mode: bool = True) -> list[str]:
   """Renders the table's lines, printing each as it comes."""
   lines = [
     f"{model.blocks} MLP blocks of width {model.width}, batch {model.batch}, "
@@ -159,7 +159,7 @@ def table(model: Model) -> list[str]:
     "|:--|--:|--:|--:|--:|--:|",
   ]
   print("\n".join(lines), flush=True)
-  for name, make, micro_step in rows(model):
+  for name, make, micro_step in rows(every_mode):
     row = measure(name, model, make(), micro_step)
     lines.append(
       f"| {row.name} | {row.kept:.2f} | {row.transient:.2f} | {row.total:.2f} | "
@@ -175,8 +175,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--width", type=int, default=1024)
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--scanned", action="store_true")
+  parser.add_argument("--4bit-only", dest="every_mode", action="store_false", help="fewer rows")
   args = parser.parse_args(argv)
-  table(Model(args.blocks, args.width, args.batch, args.scanned))
+  table(Model(args.blocks, args.width, args.batch, args.scanned), args.every_mode)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """``accumulate``: gradients averaged over micro-batches, each micro-step a
-program of its own that only adds (docs/howto.md, "Accumulate gradients")."""
+program of its own that only adds (docs/howto.md, "Accumulate gradients over
+micro-batches")."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def accumulate(
 
 
 def accumulate_gradients(grads: optax.Updates, opt_state: optax.OptState) -> optax.OptState:
-  """Adds one micro-batch's ``grads`` to the :func:`accumulate` state in ``opt_state``.
+  """Averages one micro-batch's ``grads`` into the :func:`accumulate` state in ``opt_state``.
 
   The micro-step of a loop that chooses on the host which micro-batch ends
   the window (it calls ``tx.update`` for that one): it reads the gradients
