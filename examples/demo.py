@@ -146,6 +146,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import platform
@@ -200,9 +201,11 @@ class Row:
     rounded_masters: whether those masters keep fewer bits than the FP32
       weights (``masters="24bit"``): they then start at the weights' rounding
       (``allow_rounding=True``).
-    micro_batches: into how many micro-batches each step's batch is split;
-      all but the last are added by ``mpx.accumulate_gradients`` (``tx`` is
-      an ``mpx.accumulate``), so each step sees the same data as every row.
+    micro_batches: into how many micro-batches each step's batch is split
+      (fewer where the batch does not divide: their greatest common
+      divisor, as ``tx`` must count them); all but the last are added by
+      ``mpx.accumulate_gradients`` (``tx`` is an ``mpx.accumulate``), so each
+      step sees the same data as every row.
   """
 
   name: str
@@ -249,7 +252,7 @@ ROWS = (
     BF16,
     lambda adamw, s: mpx.accumulate(
       mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed),
-      4,
+      math.gcd(4, s.batch),
       accumulator="bfloat16",
     ),
     tolerance=0.01,
@@ -414,7 +417,7 @@ def prepare(row: Row, settings: Settings, data: dict[str, jax.Array], fp32_param
 
       # With accumulation, the batch in micro-batches: all but the last only
       # add their gradients to the accumulator, the last one ends the window.
-      micro = tokens.reshape(row.micro_batches, -1, *tokens.shape[1:])
+      micro = tokens.reshape(math.gcd(row.micro_batches, batch), -1, *tokens.shape[1:])
       losses = []
       for tokens in micro[:-1]:
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params, tokens)

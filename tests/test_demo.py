@@ -229,6 +229,7 @@ def test_check_passes_made_up_results_within_each_row_s_bound(demo):
       "bf16 stochastic": 1.019,
       "bf16 remainder + 8bit moments": 1.0099,
       "bf16 24bit + 4bit moments": 1.0099,
+      "bf16 24bit + 4bit, accumulate 4": 1.0099,
       "bf16 stochastic + 4bit moments": 1.019,
       "bf16 no masters": 1.021,
     },
@@ -237,8 +238,13 @@ def test_check_passes_made_up_results_within_each_row_s_bound(demo):
   assert ok, lines
   out = "\n".join(lines)
   # One line per bounded row, one for no masters.
-  assert "FAIL" not in out and out.count("OK:") == 7, out
-  for mode in ("bf16+mpx", "bf16 remainder + 8bit moments", "bf16 24bit + 4bit moments"):
+  assert "FAIL" not in out and out.count("OK:") == 8, out
+  for mode in (
+    "bf16+mpx",
+    "bf16 remainder + 8bit moments",
+    "bf16 24bit + 4bit moments",
+    "bf16 24bit + 4bit, accumulate 4",
+  ):
     assert f"OK: {mode} validation loss +0.99% vs FP32 (must be at most 1.0% worse)" in out, out
   for mode in ("bf16 stochastic", "bf16 stochastic + 4bit moments"):
     assert f"OK: {mode} validation loss +1.90% vs FP32 (must be at most 2.0% worse)" in out, out
@@ -254,6 +260,7 @@ def test_check_fails_each_row_beyond_its_own_bound(demo):
       "bf16 stochastic": 1.021,
       "bf16 remainder + 8bit moments": 1.0101,
       "bf16 24bit + 4bit moments": 1.0101,
+      "bf16 24bit + 4bit, accumulate 4": 1.0101,
       "bf16 stochastic + 4bit moments": 1.021,
       "bf16 no masters": 1.019,
     },
@@ -265,6 +272,7 @@ def test_check_fails_each_row_beyond_its_own_bound(demo):
     "bf16+mpx",
     "bf16 remainder + 8bit moments",
     "bf16 24bit + 4bit moments",
+    "bf16 24bit + 4bit, accumulate 4",
     "fp16+mpx+scale",
   )
   for mode in one_percent:
@@ -294,7 +302,8 @@ def test_check_bounds_can_be_overridden(demo):
 
 # What the block must say every checked run guarantees, whatever the machine.
 BOUNDS = (
-  "`bf16+mpx`, `bf16 remainder + 8bit moments`, `bf16 24bit + 4bit moments` and "
+  "`bf16+mpx`, `bf16 remainder + 8bit moments`, `bf16 24bit + 4bit moments`, "
+  "`bf16 24bit + 4bit, accumulate 4` and "
   "`fp16+mpx+scale` end at most 1.0% above FP32's validation loss, `bf16 stochastic` and "
   "`bf16 stochastic + 4bit moments` at most 2.0%; `bf16 no masters` more than 2.0% above it"
 )
@@ -339,7 +348,8 @@ def test_readme_block_states_the_bounds_the_run_checked(demo, readme_tool, tmp_p
   text = readme.read_text()
   assert (
     "`bf16+mpx`, `bf16 stochastic`, `bf16 remainder + 8bit moments`, "
-    "`bf16 24bit + 4bit moments`, `bf16 stochastic + 4bit moments` and `fp16+mpx+scale` "
+    "`bf16 24bit + 4bit moments`, `bf16 24bit + 4bit, accumulate 4`, "
+    "`bf16 stochastic + 4bit moments` and `fp16+mpx+scale` "
     "end at most 5.0% above FP32's validation loss; `bf16 no masters` more than 3.0% above it"
   ) in text, text
 
