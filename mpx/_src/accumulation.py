@@ -153,7 +153,8 @@ def _added(grads: Any, state: AccumulationState) -> Any:
   """The accumulator with one more micro-batch: the window's running mean
   (``m + (g - m) / n`` in float32, as MultiSteps keeps it: the mean stays in
   the gradients' range, where a bfloat16 sum would lose a bit each time it
-  doubled), bfloat16 rounded stochastically; inf and NaN kept. The window's
+  doubled), bfloat16 rounded stochastically; a mean that is not finite stays
+  so (as NaN in bfloat16), for the inner rule's verdict. The window's
   first micro-batch starts afresh: the accumulator still holds the last
   window's mean, so the step ending a window writes it once."""
   fresh = state.mini_step == 0
