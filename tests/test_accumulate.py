@@ -191,10 +191,14 @@ def test_every_k_schedule_may_be_a_function_of_the_gradient_step():
 def test_bad_input_is_refused():
   with pytest.raises(ValueError, match="accumulator must be one of"):
     mpx.accumulate(optax.sgd(1.0), 2, accumulator="float16")
-  with pytest.raises(ValueError, match="at least 1"):
+  with pytest.raises(ValueError, match="integer >= 1, got 0"):
     mpx.accumulate(optax.sgd(1.0), 0)
-  with pytest.raises(ValueError, match="positive int"):
+  with pytest.raises(ValueError, match="integer >= 1, got 2.5"):
     mpx.accumulate(optax.sgd(1.0), 2.5)
+  with pytest.raises(ValueError, match="integer >= 1, got True"):
+    mpx.accumulate(optax.sgd(1.0), True)
+  with pytest.raises(ValueError, match="must fit in int32"):
+    mpx.accumulate(optax.sgd(1.0), 2**31)
   with pytest.raises(ValueError, match="holds 0 mpx.accumulate states"):
     mpx.accumulate_gradients({"w": jnp.ones(2)}, optax.sgd(1.0).init({"w": jnp.ones(2)}))
   with pytest.raises(ValueError, match="Nest them the other way"):

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpx._src import rounding, state_search, validation
+from mpx._src import rounding, state_search, validation, verdict
 from mpx._src import tree as tree_lib
-from mpx._src.states import MIXED_PRECISION_STATES, AccumulationState
+from mpx._src.states import AccumulationState
 
 ACCUMULATORS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Salts the accumulator's random bits apart from the stochastic masters' own.
@@ -94,7 +94,7 @@ def accumulate(
     # An mpx rule reads the mean where the accumulator holds it (its two
     # passes read it there, no float32 copy beside it); others as MultiSteps.
     mean = acc_grads
-    if not state_search.find_states(state.inner_state, MIXED_PRECISION_STATES):
+    if not verdict.holds_mixed_precision(state.inner_state):
       mean = jax.tree.map(_as_grad, acc_grads, updates, is_leaf=tree_lib.is_masked_node)
     new_updates, new_inner = inner.update(mean, state.inner_state, params, **extra_args)
     zeros = jax.tree.map(jnp.zeros_like, new_updates)
@@ -198,14 +198,11 @@ def _zeros(param: Any, dtype: Any) -> Any:
 def _check_schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
   if callable(every_k_schedule):
     return every_k_schedule
-  if isinstance(every_k_schedule, bool) or not isinstance(every_k_schedule, int | np.integer):
+  if isinstance(every_k_schedule, bool):  # an int to operator.index, never a count
     raise ValueError(
-      "accumulate: every_k_schedule must be a positive int or a function of the "
-      f"gradient step, got {every_k_schedule!r}."
+      f"accumulate: every_k_schedule must be an integer >= 1, got {every_k_schedule}."
     )
-  if every_k_schedule < 1:
-    raise ValueError(f"accumulate: every_k_schedule must be at least 1, got {every_k_schedule}.")
-  k = int(every_k_schedule)
+  k = validation.positive_int("accumulate: every_k_schedule", every_k_schedule)
   return lambda step: k
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from typing import Any
 
 import jax
@@ -74,8 +73,8 @@ class ScaleRule:
     backoff_factor = _number("backoff_factor", backoff_factor)
     if not 0.0 < backoff_factor < 1.0:
       raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}.")
-    growth_interval = _positive_int("growth_interval", growth_interval)
-    hysteresis = _positive_int("hysteresis", hysteresis)
+    growth_interval = validation.positive_int("growth_interval", growth_interval)
+    hysteresis = validation.positive_int("hysteresis", hysteresis)
     if min_scale > init_scale:
       raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init_scale}).")
     if init_scale > max_scale:
@@ -188,18 +187,6 @@ def _scale(name: str, value: Any) -> float:
       "(unscaled gradients would all become 0, or every step would be skipped)."
     )
   return value
-
-
-def _positive_int(name: str, value: Any) -> int:
-  try:
-    as_int = operator.index(value)
-  except TypeError as error:
-    raise ValueError(f"{name} must be an integer >= 1, got {value!r}.") from error
-  if as_int < 1:
-    raise ValueError(f"{name} must be an integer >= 1, got {as_int}.")
-  if as_int > jnp.iinfo(jnp.int32).max:
-    raise ValueError(f"{name} must fit in int32, got {as_int}.")
-  return as_int
 
 
 def _loss_scaling(

@@ -3,6 +3,7 @@ the fix (docs/guarantees.md); none costs the compiled step anything."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -14,6 +15,19 @@ from mpx._src import state_search
 from mpx._src import tree as tree_lib
 from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState
 from mpx._src.tree import path_text
+
+
+def positive_int(name: str, value: Any) -> int:
+  """Returns a setting that must be an integer from 1 to int32's largest."""
+  try:
+    as_int = operator.index(value)
+  except TypeError as error:
+    raise ValueError(f"{name} must be an integer >= 1, got {value!r}.") from error
+  if as_int < 1:
+    raise ValueError(f"{name} must be an integer >= 1, got {as_int}.")
+  if as_int > jnp.iinfo(jnp.int32).max:
+    raise ValueError(f"{name} must fit in int32, got {as_int}.")
+  return as_int
 
 
 def check_transformation(inner: Any, name: str = "inner") -> None:
