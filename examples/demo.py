@@ -219,6 +219,7 @@ class Row:
 
 
 BF16, FP16 = jnp.bfloat16, jnp.float16
+ACCUMULATED = 4  # micro-batches a step in the accumulation row
 # The first row is the reference. PyTorch's growth_interval of 2000 suits long
 # runs; fp16's shorter one lets this run show the loss scale grow, overflow
 # fp16 (that step is skipped) and back off. Stochastic rounding gets 2%, with
@@ -252,12 +253,12 @@ ROWS = (
     BF16,
     lambda adamw, s: mpx.accumulate(
       mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed),
-      math.gcd(4, s.batch),
+      math.gcd(ACCUMULATED, s.batch),  # as one_step splits the batch
       accumulator="bfloat16",
     ),
     tolerance=0.01,
     rounded_masters=True,
-    micro_batches=4,
+    micro_batches=ACCUMULATED,
   ),
   Row(
     "bf16 stochastic + 4bit moments",
