@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import mpx  # noqa: E402
+from benchmarks.gpu_compile import SWEEP_MASTERS, SWEEP_MOMENTS  # noqa: E402
 from benchmarks.gpu_hlo import profile  # noqa: E402
 from benchmarks.gpu_variants import mode_name, topology  # noqa: E402
 
@@ -88,11 +89,16 @@ def _abstract(tree: Any, sharding: Any) -> Any:
 
 
 def measure(
-  name: str, model: Model, tx: optax.GradientTransformation, micro_step: bool = False
+  name: str,
+  model: Model,
+  tx: optax.GradientTransformation,
+  micro_step: bool = False,
+  topo: Any = None,
 ) -> Row:
   """Compiles ``tx``'s whole step (or, with ``micro_step``, its accumulation
-  micro-step) for one H100 and reads its figures."""
-  sharding = jax.sharding.SingleDeviceSharding(topology().devices[0])
+  micro-step) for one H100 of ``topo`` (by default a new one) and reads its figures."""
+  topo = topology() if topo is None else topo
+  sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
   params = {
     k: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for k, s in model.shapes().items()
   }
@@ -116,8 +122,6 @@ def measure(
 
 
 Maker = Callable[[], optax.GradientTransformation]
-MASTERS = ("full", "remainder", "24bit", "stochastic")
-MOMENTS: tuple[str | dict[str, str], ...] = ("full", "8bit", "4bit", {"mu": "8bit", "nu": "4bit"})
 
 
 def rows(every_mode: bool = True) -> list[tuple[str, Maker, bool]]:
@@ -128,8 +132,8 @@ def rows(every_mode: bool = True) -> list[tuple[str, Maker, bool]]:
   exact and 24-bit masters)."""
   mp = lambda m, f: lambda: mpx.mixed_precision(optax.adamw(1e-3), masters=m, moments=f)  # noqa: E731
   steps: list[tuple[str, Maker, bool]] = [("optax adamw", lambda: optax.adamw(1e-3), False)]
-  for masters in MASTERS:
-    for moments in MOMENTS if every_mode else ("4bit",):
+  for masters in SWEEP_MASTERS:
+    for moments in SWEEP_MOMENTS if every_mode else ("4bit",):
       steps.append((mode_name(masters, moments), mp(masters, moments), False))
   steps.append(
     (f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(optax.adamw(1e-3), K), False)
@@ -138,7 +142,7 @@ def rows(every_mode: bool = True) -> list[tuple[str, Maker, bool]]:
   steps.append(
     (f"optax.MultiSteps(mpx 24bit + 4bit, {K})", lambda: optax.MultiSteps(r24(), K), False)
   )
-  for masters in MASTERS:
+  for masters in SWEEP_MASTERS:
     for accumulator in ("bfloat16", "float32"):
       if accumulator == "float32" and masters not in ("remainder", "24bit"):
         continue
@@ -159,8 +163,9 @@ def table(model: Model, every_mode: bool = True) -> list[str]:
     "|:--|--:|--:|--:|--:|--:|",
   ]
   print("\n".join(lines), flush=True)
+  topo = topology()
   for name, make, micro_step in rows(every_mode):
-    row = measure(name, model, make(), micro_step)
+    row = measure(name, model, make(), micro_step, topo)
     lines.append(
       f"| {row.name} | {row.kept:.2f} | {row.transient:.2f} | {row.total:.2f} | "
       f"{row.moved:.1f} | {row.conditionals} |"

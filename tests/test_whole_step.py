@@ -42,7 +42,10 @@ def rows() -> dict[str, whole_step.Row]:
     "applying": (mpx.accumulate(mpx_24bit_4bit(), k, accumulator="bfloat16"), False),
     "micro": (mpx.accumulate(mpx_24bit_4bit(), k, accumulator="bfloat16"), True),
   }
-  return {name: whole_step.measure(name, MODEL, tx, micro) for name, (tx, micro) in steps.items()}
+  topo = whole_step.topology()
+  return {
+    name: whole_step.measure(name, MODEL, tx, micro, topo) for name, (tx, micro) in steps.items()
+  }
 
 
 def test_no_step_has_a_conditional(rows):
