@@ -1,4 +1,4 @@
-"""`mpx.accumulate`: gradients summed over micro-batches, the inner rule run once a window.
+"""`mpx.accumulate`: gradients averaged over micro-batches, the inner rule run once a window.
 
 References are independent of the code under test: `optax.MultiSteps` on
 float32 params, and `mpx.mixed_precision` fed the window's mean as numpy
