@@ -99,7 +99,9 @@ def test_mixed_precision_receives_the_float32_mean(masters, accumulator):
 
 
 @pytest.mark.parametrize("accumulator", ["float32", "bfloat16"])
-def test_micro_step_equals_update_on_every_micro_batch(accumulator):
+def test_micro_step_equals_update_on_every_micro_batch(accumulator, finite_check_form):
+  """In each form of the skip: between windows `update` neither applies nor
+  counts a skip, so it ends where the micro-step path does."""
   grads = micro_batches(2 * K, shape=(4096,))
   params = {"w": jnp.asarray(np.linspace(-1, 1, 4096), jnp.bfloat16)}
   tx = mpx.accumulate(
@@ -111,6 +113,8 @@ def test_micro_step_equals_update_on_every_micro_batch(accumulator):
   by_micro_step, state_b = run(tx, grads, params, micro_step=True)
   assert tree_equal(by_update[-1], by_micro_step[-1])
   assert tree_equal(state_a, state_b)
+  assert int(state_a.inner_state.applied_steps) == 2
+  assert int(state_a.inner_state.nonfinite_steps) == 0
 
 
 def test_micro_step_adds_and_touches_nothing_else():
@@ -130,7 +134,7 @@ def test_micro_step_adds_and_touches_nothing_else():
       assert out is inp, jax.tree_util.keystr(path)
 
 
-def test_non_finite_micro_batch_skips_and_counts_the_whole_window():
+def test_non_finite_micro_batch_skips_and_counts_the_whole_window(finite_check_form):
   grads = np.array(micro_batches(3 * K, shape=(4096,)))
   grads[1, 7] = np.inf  # the first window's second micro-batch
   params = {"w": jnp.asarray(np.linspace(-1, 1, 4096), jnp.bfloat16)}

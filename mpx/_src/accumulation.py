@@ -96,13 +96,22 @@ def accumulate(
     mean = acc_grads
     if not verdict.holds_mixed_precision(state.inner_state):
       mean = jax.tree.map(_as_grad, acc_grads, updates, is_leaf=tree_lib.is_masked_node)
-    new_updates, new_inner = inner.update(mean, state.inner_state, params, **extra_args)
-    zeros = jax.tree.map(jnp.zeros_like, new_updates)
-    return tree_lib.select_tree(emit, new_updates, zeros), AccumulationState(
+    if isinstance(inner, verdict.TakesLossScaledGradients):
+      # A mixed_precision given directly folds "not yet" into its skip's one
+      # select: a second select of its state around it would copy the moments.
+      new_updates, new_inner, _ = inner.update_with_verdict(
+        mean, state.inner_state, params, None, step_due=emit, **extra_args
+      )
+    else:
+      new_updates, new_inner = inner.update(mean, state.inner_state, params, **extra_args)
+      zeros = jax.tree.map(jnp.zeros_like, new_updates)
+      new_updates = tree_lib.select_tree(emit, new_updates, zeros)
+      new_inner = tree_lib.select_tree(emit, new_inner, state.inner_state)
+    return new_updates, AccumulationState(
       mini_step=jnp.where(emit, 0, micro_batches),
       gradient_step=state.gradient_step + emit.astype(jnp.int32),
       acc_grads=acc_grads,
-      inner_state=tree_lib.select_tree(emit, new_inner, state.inner_state),
+      inner_state=new_inner,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -143,9 +143,13 @@ class _Step:
     state: Any,
     params: optax.Params | None,
     unscaling: verdict.Unscaling | None,
+    *,
+    step_due: jax.Array | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, Any, jax.Array]:
-    """Returns ``(param updates, new state, applied)``: one step, or its skip."""
+    """Returns ``(param updates, new state, applied)``: one step, or its skip.
+    Where ``step_due`` (a scalar bool) is false the step is neither applied
+    nor counted as skipped (``accumulate`` between windows)."""
     mode, moments_format = self.mode, self.moments_format
     # 1. Check the inputs against each other, and line them up leaf by leaf
     #    (at trace time; what init would build for these params is the reference).
@@ -182,13 +186,15 @@ class _Step:
       )
     else:
       finite = verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling)
+    # A step not due joins the skip's one select (or cond), not one of its own.
+    applies = finite if step_due is None else jnp.logical_and(finite, step_due)
     # 3. The step on the masters; on a skipped step nothing is written.
     step: Callable[..., tuple[_Stored, list[Any]]] = self._step_on_masters
     args: tuple[Any, ...] = (unscaling, state.applied_steps, extra_args)
     if moments_format.compresses:
       step, args = self._step_with_compressed_moments, (*args, scales)
     new, handoffs, applied = verdict.run_if_finite(
-      finite,
+      applies,
       step,
       stored,
       dataclasses.replace(leaves, stored=[]),  # the step gets them as its state
@@ -203,7 +209,10 @@ class _Step:
       )
     ]
     applied_steps = state.applied_steps + applied.astype(jnp.int32)
-    nonfinite_steps = state.nonfinite_steps + jnp.logical_not(applied).astype(jnp.int32)
+    skipped = jnp.logical_not(applied)
+    if step_due is not None:
+      skipped = jnp.logical_and(step_due, skipped)
+    nonfinite_steps = state.nonfinite_steps + skipped.astype(jnp.int32)
     stalled_steps = None
     if mode.counts_stalls:
       stalled_steps = mode.stalled_steps(state, handoffs, first_stalled, applied)

@@ -47,9 +47,10 @@ jax.tree_util.register_dataclass(
 class TakesLossScaledGradients(optax.GradientTransformationExtraArgs):
   """An ``optax.GradientTransformationExtraArgs`` that also takes the raw
   loss-scaled gradients: ``update_with_verdict(grads, state, params,
-  unscaling, **extra_args)`` unscales them with an :class:`Unscaling`,
-  decides the step's verdict itself and returns it, ``(updates, state,
-  finite)``. ``update`` is the same step with no loss scale.
+  unscaling, *, step_due=None, **extra_args)`` unscales them with an
+  :class:`Unscaling`, decides the step's verdict itself and returns it,
+  ``(updates, state, applied)``; a step not ``step_due`` (a scalar bool) is
+  neither applied nor counted. ``update`` is the same step with no loss scale.
   :func:`mpx.mixed_precision` returns one; :func:`mpx.loss_scale` hands over
   to its inner transformation only if it is one (decided when it is built, so
   nothing can sit between the two)."""
