@@ -36,7 +36,7 @@ class Committed(NamedTuple):
 
   stored: Any  # what the state stores for the leaf after the step
   handoff: Any  # what param_update reads after the skip (by kind: None,
-  # the new master as a Landed, the new param, or the inner rule's update)
+  # the new master as a Landed, the new param's bits, or the inner rule's update)
 
 
 class Landed(NamedTuple):
@@ -427,15 +427,20 @@ class Stochastic:
     else:
       value = (master + update).astype(jnp.float32)
     value = rounding.stochastic_round(value, bits)
-    # The new param leaves the cond, as optax.apply_updates will land it.
-    return Committed(stored, rounding.landing(param, value))
+    # The new param leaves the cond, as optax.apply_updates will land it, as
+    # bits: a skipped step's select zeroes it, and a bfloat16 zero of the
+    # param's shape is one XLA merges with the zero a scanned model's
+    # backward pass starts its gradient from, then materializes for both.
+    landed = rounding.landing(param, value)
+    return Committed(stored, jax.lax.bitcast_convert_type(landed, jnp.uint16))
 
   def param_update(
     self, stored: Any, handoff: jax.Array, param: Any, applied: jax.Array
   ) -> jax.Array:
     del stored
     # Computed after the cond, the update fuses into optax.apply_updates.
-    delta = jax.lax.sub(handoff.astype(jnp.float32), jnp.asarray(param).astype(jnp.float32))
+    landed = jax.lax.bitcast_convert_type(handoff, jnp.bfloat16).astype(jnp.float32)
+    delta = jax.lax.sub(landed, jnp.asarray(param).astype(jnp.float32))
     return jax.lax.select(applied, delta, jax.lax.full_like(delta, 0))
 
   def sync(self, stored: Any, param: Any) -> Any:
