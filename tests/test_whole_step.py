@@ -68,7 +68,7 @@ def test_the_micro_step_moves_what_adding_a_gradient_needs(rows):
 
 def test_both_programs_hold_no_more_beside_params_state_and_accumulator_than_adamw(rows):
   """Each leaf's gradient is averaged in as it arrives: no kernel waits for
-  several (docs/benchmarks_whole_step.md: 6.63 in all on the 67M stack)."""
+  several (docs/benchmarks_whole_step.md: 6.34 in all on the 67M stack)."""
   for name in ("applying", "micro"):
     assert rows[name].transient <= rows["adamw"].transient + 0.1, name
   assert rows["applying"].total <= 6.8 < rows["multisteps"].total - 2
