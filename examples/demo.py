@@ -24,7 +24,7 @@ validation loss must meet:
   top 8 bits of the remainder (a 24-bit master, rounded to nearest each
   step) and half a byte per moment and element, a float32 scale per block of
   at most 128: about 2 bytes per parameter, the leanest state with a master.
-* ``bf16 24bit + 4bit, accumulate 4``: the same, each step's batch split in
+* ``bf16 24bit + 4bit accumulate 4``: the same, each step's batch split in
   4 micro-batches: ``mpx.accumulate(..., 4, accumulator="bfloat16")`` holds
   their running mean (2 more bytes per parameter), the first three only
   added by ``mpx.accumulate_gradients``; it must follow FP32 as its
@@ -249,7 +249,7 @@ ROWS = (
     rounded_masters=True,
   ),
   Row(
-    "bf16 24bit + 4bit, accumulate 4",
+    "bf16 24bit + 4bit accumulate 4",
     BF16,
     lambda adamw, s: mpx.accumulate(
       mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed),
