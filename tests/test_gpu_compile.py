@@ -10,6 +10,7 @@ and almost no scratch.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import pathlib
@@ -59,63 +60,57 @@ ZERO1_SCRATCH_WHY = {
 }
 
 
-@pytest.fixture(scope="module")
-def profiles() -> dict:
-  require_cuda_compiler()
-  shapes = gpu_variants.model_shapes(SCALE)
-  n = gpu_variants.param_count(shapes)
-  topology = gpu_variants.topology()
-  out = {}
-  for variant in gpu_variants.variants():
-    compiled = gpu_variants.compile_step(variant.make(), shapes, variant.param_dtype, topology)
-    out[variant.name] = (gpu_hlo.profile(compiled), n)
-  return out
-
-
 NAMES = [v.name for v in gpu_variants.variants()]
+MPX_NAMES = [name for name in NAMES if name.startswith("mpx")]
+_topology = functools.cache(gpu_variants.topology)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_no_conditional_in_a_gpu_program(profiles, name):
-  profile, _ = profiles[name]
+# Each compiled mode is a module-scoped fixture parametrized by the mode, so
+# pytest runs that mode's tests one after another and compiles it once (a
+# fixture of every mode at once is compiled again wherever xdist's workers
+# interleave the tests of several modules).
+@pytest.fixture(scope="module", params=NAMES)
+def one_gpu(request) -> tuple[str, gpu_hlo.Profile, int]:
+  """``(name, profile, params)``: one mode's step compiled for one H100."""
+  require_cuda_compiler()
+  variant = {v.name: v for v in gpu_variants.variants()}[request.param]
+  shapes = gpu_variants.model_shapes(SCALE)
+  compiled = gpu_variants.compile_step(variant.make(), shapes, variant.param_dtype, _topology(1))
+  return variant.name, gpu_hlo.profile(compiled), gpu_variants.param_count(shapes)
+
+
+def test_no_conditional_in_a_gpu_program(one_gpu):
+  _, profile, _ = one_gpu
   assert profile.conditionals == 0
 
 
 @pytest.mark.xla_cost
-@pytest.mark.parametrize("name", NAMES)
-def test_bytes_moved_within_2_per_param_of_the_floor(profiles, name):
-  profile, n = profiles[name]
+def test_bytes_moved_within_2_per_param_of_the_floor(one_gpu):
+  name, profile, n = one_gpu
   assert profile.bytes / n <= gpu_variants.FLOORS[name] + 2
 
 
 @pytest.mark.xla_cost
-@pytest.mark.parametrize("name", NAMES)
-def test_no_copies_and_scratch_under_a_tenth_of_a_byte_per_param(profiles, name):
+def test_no_copies_and_scratch_under_a_tenth_of_a_byte_per_param(one_gpu):
   """Each 8- or 4-bit moment's old block scales too: its select, writing over
   them, is ordered after the coding kernel that reads them (two_pass.kept)."""
-  profile, n = profiles[name]
+  _, profile, n = one_gpu
   assert profile.copied_bytes / n < 0.01  # a scalar counter may be copied
   assert profile.scratch / n <= 0.1
 
 
-@pytest.fixture(scope="module")
-def zero1() -> dict:
+@pytest.fixture(scope="module", params=MPX_NAMES)
+def zero1(request) -> tuple[str, gpu_compile.Zero1Profile]:
+  """``(name, profile)``: one mpx mode's ZeRO-1 step compiled for 8 H100s."""
   require_cuda_compiler()
+  variant = {v.name: v for v in gpu_variants.variants()}[request.param]
   shapes = gpu_variants.model_shapes(SCALE)
-  topology = gpu_variants.topology(8)
-  return {
-    v.name: gpu_compile.zero1_profile(v, shapes, topology)
-    for v in gpu_variants.variants()
-    if v.name.startswith("mpx")
-  }
+  return variant.name, gpu_compile.zero1_profile(variant, shapes, _topology(8))
 
 
-MPX_NAMES = [name for name in NAMES if name.startswith("mpx")]
-
-
-@pytest.mark.parametrize("name", MPX_NAMES)
-def test_on_8_gpus_with_zero1_no_conditional_and_only_the_params_all_gather(zero1, name, request):
-  profile, found = zero1[name].profile, zero1[name].collectives
+def test_on_8_gpus_with_zero1_no_conditional_and_only_the_params_all_gather(zero1):
+  _, zero1_profile = zero1
+  profile, found = zero1_profile.profile, zero1_profile.collectives
   assert profile.conditionals == 0
   # The new params, gathered from the state's shards (XLA combines the
   # gathers into a few), and at most one reduction for the verdict. Nothing
@@ -125,12 +120,12 @@ def test_on_8_gpus_with_zero1_no_conditional_and_only_the_params_all_gather(zero
 
 
 @pytest.mark.xla_cost
-@pytest.mark.parametrize("name", MPX_NAMES)
-def test_on_8_gpus_with_zero1_scratch_at_most_the_state_per_device(zero1, name, request):
+def test_on_8_gpus_with_zero1_scratch_at_most_the_state_per_device(zero1, request):
+  name, zero1_profile = zero1
   why = ZERO1_SCRATCH_WHY.get(name)
   if why:
     request.applymarker(pytest.mark.xfail(strict=True, reason=why))
-  assert zero1[name].profile.scratch <= zero1[name].state_bytes
+  assert zero1_profile.profile.scratch <= zero1_profile.state_bytes
 
 
 # One leaf by size (benchmarks/gpu_compile.py --sweep, docs/benchmarks_gpu.md):
@@ -156,10 +151,17 @@ def sweep_scratch_why(name: str) -> str | None:
   return MIXED_24BIT_SCRATCH_WHY if name == "mpx 24bit + mu 8bit, nu 4bit moments" else None
 
 
-@pytest.fixture(scope="module")
+@functools.cache
+def _sweep() -> dict:
+  return {row.name: row for row in gpu_compile.sweep(SWEEP_SIZES, topo=_topology(1))}
+
+
+@pytest.fixture
 def swept() -> dict:
+  """Every mode's sweep row: compiled once in a worker (a module fixture is
+  compiled again each time xdist interleaves another module's tests)."""
   require_cuda_compiler()
-  return {row.name: row for row in gpu_compile.sweep(SWEEP_SIZES)}
+  return _sweep()
 
 
 def test_sweep_has_a_row_per_mode_and_a_cell_per_size(swept):
