@@ -126,7 +126,8 @@ Maker = Callable[[], optax.GradientTransformation]
 
 def rows(every_mode: bool = True) -> list[tuple[str, Maker, bool]]:
   """The steps compared: optax's beside mpx's (every masters x moments mode,
-  or with ``every_mode=False`` the 4-bit ones), and accumulation, by
+  or with ``every_mode=False`` the 4-bit ones; each with ``skip="step"``, the
+  default, and ``skip="leaf"``), and accumulation, by
   ``optax.MultiSteps`` and by ``mpx.accumulate`` (its two programs) with 4-bit
   moments and each masters mode (bfloat16 accumulator; float32 too for the
   exact and 24-bit masters)."""
@@ -135,6 +136,12 @@ def rows(every_mode: bool = True) -> list[tuple[str, Maker, bool]]:
   for masters in SWEEP_MASTERS:
     for moments in SWEEP_MOMENTS if every_mode else ("4bit",):
       steps.append((mode_name(masters, moments), mp(masters, moments), False))
+  for masters in SWEEP_MASTERS:
+    for moments in SWEEP_MOMENTS if every_mode else ("4bit",):
+      leaf = lambda m=masters, f=moments: mpx.mixed_precision(  # noqa: E731
+        optax.adamw(1e-3), masters=m, moments=f, skip="leaf"
+      )
+      steps.append((f"{mode_name(masters, moments)}, skip=leaf", leaf, False))
   steps.append(
     (f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(optax.adamw(1e-3), K), False)
   )

@@ -105,3 +105,34 @@ def test_under_scan_stochastic_masters_hold_no_second_gradient():
   }
   others = min(transient["remainder"], transient["24bit"])
   assert transient["stochastic"] <= others + 0.01, transient
+
+
+# 16 leaves, as on the 67M stack: a step that holds one leaf's gradient more
+# than adamw shows it as the 67M stack does (an eighth of a byte a param).
+MANY_LEAVES = whole_step.Model(blocks=8, width=256, batch=16)
+
+
+@pytest.fixture(scope="module")
+def adamw_many_leaves() -> whole_step.Row:
+  require_cuda_compiler()
+  return whole_step.measure("adamw", MANY_LEAVES, optax.adamw(1e-3))
+
+
+@pytest.mark.parametrize(
+  "masters, moments",
+  [("full", "full"), ("remainder", "bfloat16"), ("24bit", "bfloat16"), ("stochastic", "bfloat16")],
+)
+def test_skip_by_leaf_holds_what_adamw_holds(adamw_many_leaves, masters, moments):
+  """With `skip="leaf"` each leaf is updated as its gradient arrives: beside
+  params and state the step holds what optax's adamw holds and at most one
+  leaf's gradient more (its verdict is read before the leaf is written;
+  docs/benchmarks_whole_step.md), where the default step holds the whole
+  gradient (2 B/param more)."""
+
+  def step(skip):
+    tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments, skip=skip)
+    return whole_step.measure(skip, MANY_LEAVES, tx)
+
+  largest_leaf = 2 * max(s[0] * s[1] for s in MANY_LEAVES.shapes().values()) / MANY_LEAVES.params
+  assert step("leaf").transient <= adamw_many_leaves.transient + largest_leaf + 0.01
+  assert step("step").transient >= adamw_many_leaves.transient + 1.5

@@ -179,10 +179,7 @@ def _added(grads: Any, state: AccumulationState) -> Any:
       key = jnp.uint32(rounding.leaf_key(_SALT, index)) ^ (
         state.mini_step.astype(jnp.uint32) * np.uint32(0x9E3779B9)
       )
-      # Drawn flat: the same bits (the index is the flat one), but no row
-      # index vector that XLA:GPU would share between same-shaped leaves and
-      # so fuse their accumulation into one kernel waiting for every gradient.
-      bits = rounding.random_bits(key, state.gradient_step, (mean.size,)).reshape(mean.shape)
+      bits = rounding.random_bits(key, state.gradient_step, mean.shape)
       # stochastic_round saturates inf; adding mean - mean (0, or NaN where
       # mean is not finite) keeps it for the verdict. A jnp.where choosing
       # between the two made XLA:GPU hold the float32 means beside the step.

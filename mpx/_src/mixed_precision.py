@@ -18,6 +18,7 @@ from mpx._src import (
   adapters,
   compat,
   full_precision,
+  leaf_skip,
   state_search,
   storage,
   two_pass,
@@ -38,6 +39,7 @@ def mixed_precision(
   moments: str = "full",
   moment_fields: Sequence[str] | Mapping[str, str] = moments_lib.DEFAULT_FIELDS,
   seed: int = 0,
+  skip: str = "step",
 ) -> verdict.TakesLossScaledGradients:
   """Keeps ``dtype`` master weights and runs ``inner`` on them.
 
@@ -60,11 +62,11 @@ def mixed_precision(
     moment_fields: the fields ``moments`` compresses: a sequence (``nu`` and
       ``nu_max`` non-negative) or a mapping to ``"signed"``/``"nonnegative"``.
     seed: the seed of the random bits of stochastic rounding (an integer).
+    skip: ``"step"`` or ``"leaf"`` (only leaves with a non-finite gradient kept: docs/howto.md).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`~mpx.MixedPrecisionState` (or its remainder or stochastic
-    variant). ``update`` requires ``params`` and forwards extra arguments.
+    An ``optax.GradientTransformationExtraArgs`` (state: :class:`~mpx.MixedPrecisionState`
+    or a variant); ``update`` requires ``params`` and forwards extra arguments.
 
   Raises:
     ValueError: for a bad ``dtype``, ``masters``, ``moments`` or ``seed``, or
@@ -89,8 +91,10 @@ def mixed_precision(
   mode = _check_mode(masters, dtype)
   seed = _check_seed(seed)
   moments_format = moments_lib.check_format(moments, moment_fields, seed, dtype)
+  if skip not in ("step", "leaf"):
+    raise ValueError(f"mixed_precision: skip must be 'step' or 'leaf', got {skip!r}.")
   validation.check_transformation(inner)
-  step = _Step(optax.with_extra_args_support(inner), dtype, mode, moments_format, seed)
+  step = _Step(optax.with_extra_args_support(inner), dtype, mode, moments_format, seed, skip)
   return verdict.TakesLossScaledGradients(
     step.init_fn, tree_lib.through_linen_boxes(step.update_fn)
   )
@@ -107,6 +111,7 @@ class _Step:
   mode: storage.Mode
   moments_format: moments_lib.MomentsFormat
   seed: int
+  skip: str
 
   def init_fn(self, params: optax.Params) -> Any:
     """Returns the state for ``params``: what each leaf's kind stores, the
@@ -158,6 +163,8 @@ class _Step:
     )
     leaves = _Leaves.align(mode, self.dtype, updates, params, getattr(state, mode.stored_field))
     stored = _Stored(leaves.stored, state.inner_state)
+    if self.skip == "leaf":
+      return self._update_by_leaf(state, leaves, stored, params, unscaling, step_due, extra_args)
     # 2. The verdict, on each gradient as the inner rule will receive it; with
     #    8- or 4-bit moments, on accelerators, read with their block maxima in
     #    the first of two passes (two_pass.first_pass), which also reads the
@@ -221,6 +228,75 @@ class _Step:
       applied_steps,
       nonfinite_steps,
       new.inner,
+      stalled_steps,
+    )
+    return leaves.treedef.unflatten(param_updates), new_state, applied
+
+  def _update_by_leaf(
+    self,
+    state: Any,
+    leaves: _Leaves,
+    stored: _Stored,
+    params: Any,
+    unscaling: verdict.Unscaling | None,
+    step_due: jax.Array | None,
+    extra_args: dict[str, Any],
+  ) -> tuple[optax.Updates, Any, jax.Array]:
+    """``update_fn`` with ``skip="leaf"``: the step run on every leaf, then each
+    leaf's new master, moments and update kept where its gradient is finite
+    (and ``step_due``). No select reads every gradient, so XLA updates each
+    leaf as its gradient arrives; 8- and 4-bit moments are coded in one pass."""
+    if unscaling is not None:
+      raise ValueError(
+        "loss_scale: a mixed_precision with skip='leaf' cannot be its inner rule. An "
+        "overflowing float16 step means the loss scale is too high for the whole step: "
+        "loss_scale backs off and skips the step whole. Use skip='step' under loss_scale."
+      )
+    if leaves.grad_treedef != leaves.treedef:
+      raise ValueError(
+        "mixed_precision: skip='leaf' needs gradients shaped like the params "
+        "(optax.lookahead's are not); use skip='step'."
+      )
+    finite = leaf_skip.finite_by_leaf(leaves.grads, leaves.received_dtypes)
+    flags = finite if step_due is None else [jnp.logical_and(f, step_due) for f in finite]
+    if self.moments_format.compresses:  # coded in one pass, with no scales given
+      new, handoffs = self._step_with_compressed_moments(
+        stored, leaves, None, state.applied_steps, extra_args, None
+      )
+    else:
+      new, handoffs = self._step_on_masters(stored, leaves, None, state.applied_steps, extra_args)
+    applied = jnp.stack(flags).any()
+    per_param = [
+      leaf_skip.kept(*x) for x in zip(flags, new.per_param, stored.per_param, strict=True)
+    ]
+    handoffs = [leaf_skip.zeroed(f, h) for f, h in zip(flags, handoffs, strict=True)]
+    per_param, handoffs = leaf_skip.stalls_read_with(per_param, handoffs)
+    paths = [
+      path
+      for path, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=tree_lib.is_masked_node)[
+        0
+      ]
+    ]
+    inner = leaf_skip.kept_by_param(
+      new.inner, stored.inner, paths, flags, step_due, is_leaf=moments_lib.is_compressed
+    )
+    param_updates = [
+      kind.param_update(s, h, p, f)
+      for kind, s, h, p, f in zip(
+        leaves.kinds, per_param, handoffs, leaves.params, flags, strict=True
+      )
+    ]
+    touched = jnp.logical_not(jnp.stack(finite).all())
+    if step_due is not None:
+      touched = jnp.logical_and(step_due, touched)
+    stalled_steps = None
+    if self.mode.counts_stalls:
+      stalled_steps = self.mode.stalled_steps(state, handoffs, None, applied)
+    new_state = self.mode.state(
+      leaves.treedef.unflatten(per_param),
+      state.applied_steps + applied.astype(jnp.int32),
+      state.nonfinite_steps + touched.astype(jnp.int32),
+      inner,
       stalled_steps,
     )
     return leaves.treedef.unflatten(param_updates), new_state, applied

@@ -155,12 +155,11 @@ def random_bits(key: jax.Array, count: jax.Array, shape: tuple[int, ...]) -> jax
   """Returns uint32 random bits for each element of a leaf of ``shape``: a
   hash of ``(key, count, global element index)``, so no host sync and the
   same bits under any sharding."""
-  index = jax.lax.full(shape, 0, U32)
-  stride = 1
-  for axis in reversed(range(len(shape))):
-    term = jax.lax.mul(jax.lax.broadcasted_iota(U32, shape, axis), np.uint32(stride % 2**32))
-    index = jax.lax.add(index, term)
-    stride *= shape[axis]
+  # The flat index, reshaped: summed from an iota per axis, its row-index
+  # vectors were shared by XLA:GPU between same-shaped leaves, fusing their
+  # rounding into kernels that wait for every such leaf's inputs.
+  size = int(np.prod(shape, dtype=np.int64))
+  index = jax.lax.broadcasted_iota(U32, (size,), 0).reshape(shape)
   # Three rounds of MurmurHash3's 32-bit finaliser, a bijection that mixes
   # every input bit into every output bit: of the count, of the key xor that
   # hash, and of each element's index plus the key's hash.
