@@ -25,11 +25,6 @@ def finite_by_leaf(grads: Sequence[Any], dtypes: Sequence[Any]) -> list[jax.Arra
   ]
 
 
-def kept(flag: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where the scalar ``flag`` holds, else ``old``, leaf by leaf."""
-  return jax.tree.map(lambda n, o: jnp.where(flag, n, o), new, old)
-
-
 def zeroed(flag: jax.Array, new: Any) -> Any:
   """``new`` where ``flag`` holds, else zeros (a skipped leaf's handoff)."""
   return jax.tree.map(lambda n: jnp.where(flag, n, jnp.zeros_like(n)), new)
@@ -59,12 +54,13 @@ def kept_by_param(
     where = jax.tree_util.keystr(path)
     owner = next((i for i in longest_first if where.endswith(keys[i])), None)
     if owner is not None:
-      return kept(flags[owner], n, o)
+      return tree_lib.select_tree(flags[owner], n, o)
     floating = [x for x in jax.tree.leaves(n) if tree_lib.is_floating(x)]
     if not floating:
-      return n if shared is None else kept(shared, n, o)
+      return n if shared is None else tree_lib.select_tree(shared, n, o)
     finite = jnp.stack([jnp.isfinite(x).all() for x in floating]).all()
-    return kept(finite if shared is None else jnp.logical_and(shared, finite), n, o)
+    flag = finite if shared is None else jnp.logical_and(shared, finite)
+    return tree_lib.select_tree(flag, n, o)
 
   return jax.tree_util.tree_map_with_path(leaf, new, old, is_leaf=is_leaf)
 

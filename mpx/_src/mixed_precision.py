@@ -267,16 +267,11 @@ class _Step:
       new, handoffs = self._step_on_masters(stored, leaves, None, state.applied_steps, extra_args)
     applied = jnp.stack(flags).any()
     per_param = [
-      leaf_skip.kept(*x) for x in zip(flags, new.per_param, stored.per_param, strict=True)
+      tree_lib.select_tree(*x) for x in zip(flags, new.per_param, stored.per_param, strict=True)
     ]
     handoffs = [leaf_skip.zeroed(f, h) for f, h in zip(flags, handoffs, strict=True)]
     per_param, handoffs = leaf_skip.stalls_read_with(per_param, handoffs)
-    paths = [
-      path
-      for path, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=tree_lib.is_masked_node)[
-        0
-      ]
-    ]
+    paths, _, _ = _flatten(params)
     inner = leaf_skip.kept_by_param(
       new.inner, stored.inner, paths, flags, step_due, is_leaf=moments_lib.is_compressed
     )
