@@ -46,12 +46,15 @@ def trace_step(name: str = "fp16 step") -> list[tuple[str, str, bool]]:
   """Returns the ``(file, function, checking)`` of every mpx call made while
   tracing the step ``name`` of :data:`STEPS`; ``checking``: made inside a
   trace-time check (a frame of validation.py on the stack, the call's own
-  included)."""
+  included). Traced as if first in its process: jax's caches (e.g. of a
+  ``lax.cond`` branch's trace, kept by the function and its shapes) are
+  cleared first, so a function an earlier step traced is counted again."""
   dtype, make_tx = STEPS[name]
   params = {"w": jnp.ones((64, 64), dtype), "b": jnp.zeros(64, dtype)}
   tx = make_tx()
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
+  jax.clear_caches()
   calls: list[tuple[str, str, bool]] = []
   checks = str(PACKAGE / "_src" / "validation.py")
 

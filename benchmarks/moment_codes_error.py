@@ -153,7 +153,7 @@ def linear_map(signed: bool) -> np.ndarray:
 
 def _rows(x: Array, four_bit: bool = False) -> Array:
   """``x``'s last axis cut into the blocks of mpx's 8-bit (or 4-bit) code."""
-  layout = mc.block_layout_4bit(x.shape[-1]) if four_bit else mc.block_layout(x.shape)
+  layout = mc.block_layout(x.shape, 4 if four_bit else 8)
   x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, layout[0] * layout[1] - x.shape[-1])])
   return x.reshape((*x.shape[:-1], layout[1], layout[0]))
 

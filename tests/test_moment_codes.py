@@ -48,7 +48,7 @@ def decode(stored):
 
 
 def decode_by_table(stored):
-  return kind_of(stored).decompress_once(stored)
+  return kind_of(stored).decompress(stored, by_table=True)
 
 
 def maxima(x, sign):

@@ -282,7 +282,7 @@ def test_each_block_maximum_decodes_exactly_in_every_layout(sign, shape):
   x = moment(shape, sign, seed=9)
   _, decoded = round_trip(x, sign)
   body = shape[-1] - shape[-1] % 2
-  size, blocks = mc.block_layout_4bit(body)
+  size, blocks = mc.block_layout((body,), 4)
   padded = np.zeros((*shape[:-1], size * blocks), np.float32)
   padded[..., :body] = np.abs(x[..., :body])
   maxima = padded.reshape(*shape[:-1], blocks, size).max(-1)
@@ -302,7 +302,7 @@ def test_each_row_codes_on_its_own(sign, n):
   x[1::2] *= np.float32(1e3)
   x[2::4] *= np.float32(1e-6)
   matrix, decoded = round_trip(x, sign)
-  size, _ = mc.block_layout_4bit(n)
+  size, _ = mc.block_layout((n,), 4)
   gap = np.diff(de_map() if sign == "signed" else float_map()).max()
   for i in range(len(x)):
     row, alone = round_trip(x[i], sign)
@@ -383,7 +383,7 @@ def test_bytes_per_element():
   assert bytes_per_element((4096, 4096)) == 0.5 + 4 / 128
   assert bytes_per_element((2**20,)) == 0.5 + 4 / 128
   assert bytes_per_element((4097,)) == (2048 + 4 * 33) / 4097
-  assert [mc.block_layout_4bit(n) for n in (4096, 768, 11008, 4098)] == [
+  assert [mc.block_layout((n,), 4) for n in (4096, 768, 11008, 4098)] == [
     (128, 32),
     (96, 8),
     (86, 128),
@@ -395,7 +395,7 @@ def row_bytes_per_element(n: int) -> float:
   """By hand: two codes a byte, a float32 scale per block of the even part of
   the row, and an odd row's last element kept among the scales."""
   even = n - n % 2
-  _, blocks = mc.block_layout_4bit(even)
+  _, blocks = mc.block_layout((even,), 4)
   return (even // 2 + 4 * (blocks + n % 2)) / n
 
 
@@ -575,5 +575,6 @@ def test_decode_by_table_is_bitwise_decode(sign, shape):
   stored = mc.STORED_TYPES_4BIT[sign](jnp.asarray(codes), jnp.asarray(scales))
   decoded = np.asarray(decode_4bit(stored))
   np.testing.assert_array_equal(
-    np.asarray(kind_of(stored).decompress_once(stored)).view(np.uint32), decoded.view(np.uint32)
+    np.asarray(kind_of(stored).decompress(stored, by_table=True)).view(np.uint32),
+    decoded.view(np.uint32),
   )

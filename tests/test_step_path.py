@@ -52,11 +52,13 @@ def test_each_transformation_checks_its_inputs_once_per_trace(calls):
   assert entries["check_gradients"] == 1  # the handover checks them in mixed_precision alone
 
 
-# The compressed steps' ceilings, each traced first in its process (after
-# other traces fewer calls are made: what they cached is not called again),
-# checks included. The 24-bit + per-field step's aim is 75 as well: what is
-# left above it is the 4-bit codes' own layout and packing (moment_codes.py).
-COMPRESSED_CEILINGS = {"remainder + 8bit step": (9, 75), "24bit + per-field step": (9, 91)}
+# The compressed steps' ceilings, checks included, each traced as if first in
+# its process (``trace_step`` clears jax's caches: a function whose trace jax
+# kept from an earlier step is counted again). Issue 48 aims at 75 for both.
+# The per-field step reads the 8-bit step's 70 and 12 more: the 4-bit codec
+# (its kind's three methods, layout and four packings) and the 24-bit
+# masters' rounding and stall count.
+COMPRESSED_CEILINGS = {"remainder + 8bit step": (9, 70), "24bit + per-field step": (9, 82)}
 
 
 @pytest.mark.slow  # two traces of compressed steps: 15 s on 2 cores

@@ -133,7 +133,7 @@ class _Step:
     # optax's params placeholder (tree_map_params, zero1_shardings) stands for
     # the whole tree: the inner state it makes has no moment fields to find.
     if not variables.is_optax_placeholder(params):
-      moments_format.check_fields_exist(inner_state)
+      moments_format.check_fields(inner_state)
     # Two arrays, not one: a step that donates the state donates each buffer once.
     applied_steps, nonfinite_steps = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     if moments_format.compresses:
@@ -174,7 +174,11 @@ class _Step:
       finite, scales, first_stalled = tree_lib.by_platform(
         cpu=lambda: (
           verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling),
-          two_pass.stored_scales(state.inner_state),  # unread: shapes
+          # Unread: the stored scales, in the maxima's shapes and dtypes.
+          [
+            x.scales if isinstance(x, moments_lib.BLOCK_SCALED_TYPES) else None
+            for x in jax.tree.leaves(state.inner_state, is_leaf=moments_lib.is_compressed)
+          ],
           jnp.zeros((), bool),  # unread
         ),
         accelerator=lambda: two_pass.first_pass(

@@ -47,7 +47,7 @@ STORED_TYPES_4BIT: dict[Sign, type[FourBitMoment]] = {
 MAX_BLOCK = 256
 MIN_BLOCK = 32
 # 4-bit blocks hold at most this many elements along the last axis;
-# ``block_layout_4bit`` prefers an even size in (MAX_BLOCK_4BIT / 2,
+# ``block_layout(shape, 4)`` prefers an even size in (MAX_BLOCK_4BIT / 2,
 # MAX_BLOCK_4BIT] that divides.
 MAX_BLOCK_4BIT = 128
 # The shortest last axis for which the 4-bit code pays: a row of n <= 128
@@ -92,46 +92,44 @@ def _fit_blocks(n: int, max_block: int, sizes: tuple[range, ...]) -> tuple[int, 
   return size, -(-n // size)
 
 
-def block_layout(shape: tuple[int, ...]) -> tuple[int, int]:
-  """Returns the 8-bit code's ``(block_size, n_blocks)`` of a leaf of ``shape``,
-  blocks along its last axis (a scalar is one row of one element).
+def block_layout(shape: tuple[int, ...], bits: int = 8) -> tuple[int, int]:
+  """Returns the ``(block_size, n_blocks)`` of a leaf of ``shape`` in the code
+  of ``bits`` (8 or 4), blocks along its last axis.
 
-  A last axis of at most ``MAX_BLOCK`` is one block. A longer one takes the
-  divisor in (128, 256] (else in [32, 128]) that leaves the block count with
-  the most factors of two, then the largest: 4096 gives 16 blocks of 256, 768
-  gives 4 of 192, 11008 gives 64 of 172, 32000 gives 128 of 250, so sharding
-  the axis 2, 4, 8... ways (up to the block count) splits it on block
-  boundaries. With no such divisor (50257, 4097) the axis is cut into
-  ``ceil(n / 256)`` blocks of ``ceil(n / n_blocks)``, the last one short.
+  8 bits: a scalar is one row of one element; a last axis of at most
+  ``MAX_BLOCK`` is one block; a longer one takes the divisor in (128, 256]
+  (else in [32, 128]) that leaves the block count with the most factors of
+  two, then the largest: 4096 gives 16 blocks of 256, 768 gives 4 of 192,
+  11008 gives 64 of 172, 32000 gives 128 of 250, so sharding the axis 2, 4,
+  8... ways (up to the block count) splits it on block boundaries. With no
+  such divisor (50257, 4097) the axis is cut into ``ceil(n / 256)`` blocks of
+  ``ceil(n / n_blocks)``, the last one short.
+
+  4 bits: the blocks hold a row's first ``n - n % 2`` elements (an odd last
+  one is stored apart): one block up to ``MAX_BLOCK_4BIT``; else the even
+  divisor in (64, 128], chosen as above (4096: 32 blocks of 128; 768: 8 of
+  96; 11008: 128 of 86; 50256: 698 of 72); else ``ceil(n / 128)`` blocks of
+  an even size, the last short (4098: 33 of 126). Smaller divisors would
+  cost more in scales than 4-bit codes save.
   """
   n = shape[-1] if shape else 1
+  if bits == 4:
+    n -= n % 2
+    if n <= MAX_BLOCK_4BIT:
+      return n, 1 if n else 0
+    return _fit_blocks(n, MAX_BLOCK_4BIT, (range(MAX_BLOCK_4BIT // 2 + 2, MAX_BLOCK_4BIT + 1, 2),))
   if n <= MAX_BLOCK:
     return n, 1
   sizes = (range(MAX_BLOCK // 2 + 1, MAX_BLOCK + 1), range(MIN_BLOCK, MAX_BLOCK // 2 + 1))
   return _fit_blocks(n, MAX_BLOCK, sizes)
 
 
-def block_layout_4bit(n: int) -> tuple[int, int]:
-  """Returns the 4-bit code's ``(block_size, n_blocks)`` for a row of ``n`` coded
-  elements (even, or 0): one block up to ``MAX_BLOCK_4BIT``; else the even
-  divisor in (64, 128] that leaves the block count with the most factors of
-  two, then the largest (4096: 32 blocks of 128; 768: 8 of 96; 11008: 128 of
-  86; 50256: 698 of 72), so that sharding the axis 2, 4, 8... ways splits it
-  on block boundaries; else ``ceil(n / 128)`` blocks of an even size, the last
-  short (4098: 33 of 126). Smaller divisors would cost more in scales than
-  4-bit codes save.
-  """
-  if n <= MAX_BLOCK_4BIT:
-    return n, 1 if n else 0
-  return _fit_blocks(n, MAX_BLOCK_4BIT, (range(MAX_BLOCK_4BIT // 2 + 2, MAX_BLOCK_4BIT + 1, 2),))
-
-
-def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Broadcasts each 8-bit block's scale to its elements, in the leaf's
-  ``shape``, so that a kernel rewriting the codes reads the old ones where it
+def _spread(scales: jax.Array, shape: tuple[int, ...], size: int) -> jax.Array:
+  """Broadcasts each block's scale (``scales``' last axis) to its ``size``
+  elements, in ``shape`` (each row's first ``shape[-1]`` kept, a scalar one
+  element), so that a kernel rewriting the codes reads the old ones where it
   writes."""
-  size, blocks = block_layout(shape)
-  lead = shape[:-1] if shape else ()
+  *lead, blocks = scales.shape
   n = shape[-1] if shape else 1
   wide = jax.lax.broadcast_in_dim(scales, (*lead, blocks, size), range(len(lead) + 1))
   # The blocks merged, the last one's padding dropped.
@@ -139,15 +137,6 @@ def _expand(scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   if blocks * size != n:
     wide = jax.lax.slice_in_dim(wide, 0, n, axis=len(lead))
   return wide.reshape(shape)
-
-
-def _spread(scales: jax.Array, size: int, n: int) -> jax.Array:
-  """Each 4-bit block's scale broadcast to its ``size`` elements, the first
-  ``n`` of a row kept (as :func:`_expand`, in a broadcast of its own form)."""
-  *lead, blocks = scales.shape
-  wide = jnp.broadcast_to(scales[..., None], (*lead, blocks, size))
-  wide = wide.reshape((*lead, blocks * size))
-  return wide if blocks * size == n else jax.lax.slice_in_dim(wide, 0, n, axis=len(lead))
 
 
 def _max_and_min(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -313,7 +302,7 @@ class _Layout(NamedTuple):
       raise ValueError(f"4-bit codes take a leaf of one or more axes and elements, got {shape}")
     *lead, n = shape
     body = n - n % 2
-    size, blocks = block_layout_4bit(body)
+    size, blocks = block_layout((body,), 4)
     per = 8 if size % 8 == 0 and body % 8 == 0 else 2
     return cls(tuple(lead), n, body, size, blocks, n % 2, per)
 
@@ -413,17 +402,6 @@ def _unpack_by_bitcast(codes: jax.Array) -> jax.Array:
   return nibbles.reshape((*codes.shape[:-1], 2 * codes.shape[-1])).astype(jnp.int32)
 
 
-def kept_codes(applied: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-  """Returns the packed 4-bit codes ``new`` where ``applied``, else ``old``,
-  selected as uint4 pairs: XLA:GPU then fuses the select into the kernel that
-  codes ``new`` (packed by ``_pack_by_bitcast``) and writes it in place, where
-  a select of the packed bytes is a kernel of its own that reads the new codes
-  back from scratch (docs/design.md, "Compressed moments at the byte floor")."""
-  new, old = (jax.lax.bitcast_convert_type(c, jnp.uint4) for c in (new, old))
-  codes = jnp.where(applied, new, old)
-  return jax.lax.bitcast_convert_type(codes, jnp.uint8)
-
-
 # --- The moment kinds ------------------------------------------------------------
 
 
@@ -500,11 +478,13 @@ class BlockScaledKind:
   key: int
   sign: Sign
   compressed = True
+  bits = 0  # the code's width, 8 or 4: what ``block_layout`` lays out
 
   def block_size(self, shape: tuple[int, ...]) -> int | None:
     """Returns the block size where the blocks tile the last axis exactly (then
     each block's scale is the largest :meth:`magnitude` of its elements), else None."""
-    raise NotImplementedError
+    size, blocks = block_layout(shape, self.bits)
+    return size if shape and size * blocks == shape[-1] else None
 
   def maxima(self, value: jax.Array) -> jax.Array:
     """Returns the scales :meth:`compress` would store for ``value``, as
@@ -525,17 +505,15 @@ class BlockScaledKind:
     the leaf is coded anew."""
     raise NotImplementedError
 
-  def decompress(self, stored: Any) -> jax.Array:
-    """Returns the float32 leaf that ``stored`` codes: each level times its scale."""
-    raise NotImplementedError
-
-  def decompress_once(self, stored: Any) -> jax.Array:
-    """Returns :meth:`decompress`'s values, bitwise, by a table lookup: a gather
+  def decompress(self, stored: Any, by_table: bool = False) -> jax.Array:
+    """Returns the float32 leaf that ``stored`` codes: each level times its
+    scale. ``by_table``: the same values, bitwise, by a table lookup, a gather
     that XLA:GPU fuses as a cheap producer into a reduction over the moment
     computed from it, where the arithmetic decode's shifts and selects tip
     its cost model into writing that moment out in float32; the gather keeps
     XLA from writing codes in place, so it serves a pass that writes no codes
-    (docs/design.md, "Compressed moments at the byte floor")."""
+    (``two_pass.first_pass``; docs/design.md, "Compressed moments at the byte
+    floor")."""
     raise NotImplementedError
 
   def magnitude(self, value: jax.Array) -> jax.Array:
@@ -553,9 +531,7 @@ class EightBitCompressed(BlockScaledKind):
   uint8 level per element, of the float-like code ``CODES[sign]``, and a
   float32 scale per block of :func:`block_layout`."""
 
-  def block_size(self, shape: tuple[int, ...]) -> int | None:
-    size, blocks = block_layout(shape)
-    return size if shape and size * blocks == shape[-1] else None
+  bits = 8
 
   def maxima(self, value: jax.Array) -> jax.Array:
     """Returns each block's largest magnitude (signed) or largest value, at
@@ -591,7 +567,7 @@ class EightBitCompressed(BlockScaledKind):
       magnitude = jax.lax.select(jax.lax.gt(x, zero), x, jnp.zeros_like(x))
     # A true division: the block's largest element becomes exactly 1.0.
     safe = jax.lax.select(scales > zero, scales, jnp.ones_like(scales))
-    a = jax.lax.div(magnitude, _expand(safe, shape))
+    a = jax.lax.div(magnitude, _spread(safe, shape, block_layout(shape)[0]))
     if given:
       # Scales from another computation of ``x`` (a first pass, which XLA may
       # contract ``a * b + c`` in differently) may sit an ulp below an element:
@@ -637,9 +613,9 @@ class EightBitCompressed(BlockScaledKind):
       level = jax.lax.bitwise_or(level, jax.lax.shift_left(negative.astype(jnp.int32), np.int32(7)))
     return STORED_TYPES[self.sign](level.astype(jnp.uint8), scales)
 
-  def decompress(self, stored: EightBitMoment) -> jax.Array:
+  def decompress(self, stored: EightBitMoment, by_table: bool = False) -> jax.Array:
     """Returns the float32 leaf that ``stored`` codes: each level times its
-    block's scale."""
+    block's scale; ``by_table``, each level looked up in a table of 256."""
     code = CODES[self.sign]
     codes, scales = jnp.asarray(stored.codes), jnp.asarray(stored.scales)
     shape = codes.shape
@@ -650,6 +626,16 @@ class EightBitCompressed(BlockScaledKind):
         f"scales of shape {scales.shape} do not match codes of shape {shape}: expected {expected}"
       )
     k = codes.astype(jnp.int32)
+    if by_table:
+      # A copy per call: JAX lowers one array object used twice as one constant.
+      level = lookup(_LEVEL_TABLES[self.sign].copy(), k)
+      value = jax.lax.mul(level, _spread(scales, shape, block_layout(shape)[0]))
+      magnitude = k
+      if self.sign == "nonnegative":
+        value = jax.lax.max(value, jnp.full_like(value, _TINY))
+      else:
+        magnitude = jax.lax.bitwise_and(k, np.int32(127))
+      return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
     magnitude = jax.lax.bitwise_and(k, np.int32(127)) if code.signed else k
     layout = code.layout
     # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) +
@@ -669,42 +655,22 @@ class EightBitCompressed(BlockScaledKind):
       sign = jax.lax.shift_left(jax.lax.shift_right_logical(k, np.int32(7)), np.int32(31))
       bits = jax.lax.bitwise_or(bits, sign)
     level = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    value = jax.lax.mul(level, _expand(scales, shape))
+    value = jax.lax.mul(level, _spread(scales, shape, block_layout(shape)[0]))
     if not code.signed:
       # A product below float32's normals would flush to zero: keep it positive.
       value = jax.lax.max(value, jnp.full_like(value, _TINY))
-    return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
-
-  def decompress_once(self, stored: EightBitMoment) -> jax.Array:
-    codes = jnp.asarray(stored.codes)
-    scales = jnp.asarray(stored.scales)
-    _, blocks = block_layout(codes.shape)
-    if scales.shape != (*codes.shape[:-1], blocks):
-      raise ValueError(f"scales of shape {scales.shape} do not match codes of shape {codes.shape}")
-    k = codes.astype(jnp.int32)
-    # A copy per call: JAX lowers one array object used twice as one constant.
-    level = lookup(_LEVEL_TABLES[self.sign].copy(), k)
-    value = jax.lax.mul(level, _expand(scales, codes.shape))
-    magnitude = k
-    if self.sign == "nonnegative":
-      value = jax.lax.max(value, jnp.full_like(value, _TINY))
-    else:
-      magnitude = jax.lax.bitwise_and(k, np.int32(127))
     return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
 
 
 @dataclasses.dataclass(frozen=True)
 class FourBitCompressed(BlockScaledKind):
   """The 4-bit code (a ``Signed4bitMoment`` or ``Nonnegative4bitMoment``): two
-  codes a byte and a float32 scale per block of :func:`block_layout_4bit`,
+  codes a byte and a float32 scale per block of :func:`block_layout` (4 bits),
   then an odd row's last element in float32 (docs/moment_codes.md, "4
   bits"). To nearest, a slow average's steps (Lion's ``mu`` moves 1% a step)
   would fall between its levels and the moment stall."""
 
-  def block_size(self, shape: tuple[int, ...]) -> int | None:
-    n = shape[-1] if shape else 0
-    size, blocks = block_layout_4bit(n - n % 2)
-    return size if n % 2 == 0 and size * blocks == n else None
+  bits = 4
 
   def maxima(self, value: jax.Array, block_maxima: jax.Array | None = None) -> jax.Array:
     """Returns float32 ``(*lead, n_blocks + n % 2)``: each row's block maxima
@@ -759,7 +725,7 @@ class FourBitCompressed(BlockScaledKind):
       block_max = self.maxima(x, block_max)
     if not layout.body:
       return STORED_TYPES_4BIT[self.sign](jnp.zeros((*layout.lead, 0), jnp.uint8), block_max)
-    scale = _spread(block_max[..., : layout.blocks], layout.size, layout.body)
+    scale = _spread(block_max[..., : layout.blocks], (*layout.lead, layout.body), layout.size)
     body = x[..., : layout.body]
     # Each element's code against its block's scale, rounded at random: one
     # loop fusion with the packing. The ratio |body| / scale (a scale of 0
@@ -813,14 +779,14 @@ class FourBitCompressed(BlockScaledKind):
 
   def decompress(self, stored: FourBitMoment, by_table: bool = False) -> jax.Array:
     """Returns the float32 leaf that ``stored`` codes, in the shape that was
-    coded: each level times its scale. ``by_table`` (:meth:`decompress_once`)
-    looks each code's level up in a table of 16, but for an odd last axis."""
+    coded: each level times its scale. ``by_table`` looks each code's level
+    up in a table of 16, but for an odd last axis."""
     codes = jnp.asarray(stored.codes)
     scales = jnp.asarray(stored.scales, jnp.float32)
     # The layout whose codes and scales have these shapes: ``n`` is odd where
     # the scales hold one more entry a row than the blocks.
     *lead, pairs = codes.shape
-    _, blocks = block_layout_4bit(2 * pairs)
+    _, blocks = block_layout((2 * pairs,), 4)
     if tuple(scales.shape[:-1]) != tuple(lead) or scales.shape[-1] not in (blocks, blocks + 1):
       raise ValueError(
         f"scales of shape {scales.shape} do not match codes of shape {codes.shape}: expected "
@@ -839,14 +805,14 @@ class FourBitCompressed(BlockScaledKind):
       widen = [(0, 0, 0)] * (codes.ndim - 1) + [(0, padded - codes.shape[-1], 0)]
       codes = jax.lax.pad(codes, np.uint8(0), widen)
       k = jax.lax.slice_in_dim(_unpack(codes, layout.per), 0, layout.n, axis=codes.ndim - 1)
-      scale = _spread(scales, layout.size, layout.n)
+      scale = _spread(scales, (*layout.lead, layout.n), layout.size)
     else:
       # On accelerators by a bitcast to uint4 pairs, the view in which
-      # ``kept_codes`` selects the new codes: read and written alike, XLA writes
+      # ``two_pass.kept`` selects the new codes: read and written alike, XLA writes
       # the new codes over the old ones in place (read as bytes, it copies).
       unpack = functools.partial(_unpack, per=layout.per)
       k = tree_lib.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
-      scale = _spread(scales[..., : layout.blocks], layout.size, layout.body)
+      scale = _spread(scales[..., : layout.blocks], (*layout.lead, layout.body), layout.size)
     if by_table and not layout.tail:
       # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
       levels = SIGNED_LEVELS_4BIT
@@ -881,8 +847,3 @@ class FourBitCompressed(BlockScaledKind):
       tail = jax.lax.broadcast_in_dim(tail, value.shape, tuple(range(value.ndim)))
       value = jax.lax.select(at_tail, tail, value)
     return value
-
-  def decompress_once(self, stored: FourBitMoment) -> jax.Array:
-    """As :meth:`BlockScaledKind.decompress_once`: :meth:`decompress` by a table
-    of 16 levels (an odd last axis: by its arithmetic)."""
-    return self.decompress(stored, by_table=True)

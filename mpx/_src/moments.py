@@ -96,7 +96,6 @@ class MomentsFormat:
         kinds.append(UNCOMPRESSED)
         continue
       state_name, field = owner
-      validation.check_field_compressible(state_name, field, code)
       key = int(rounding.leaf_key(self.seed ^ _SEED_SALT, index))
       shape = np.shape(leaf)
       # A row too short for a code's block scales to pay is stored in bfloat16.
@@ -111,24 +110,31 @@ class MomentsFormat:
         kinds.append(FourBitCompressed(key, sign))
     return kinds
 
-  def check_fields_exist(self, inner_state: Any) -> None:
-    """Refuses a field named by the user that no state of the inner rule has."""
-    field_names = tuple(name for name, _, _ in self.fields)
-    if not self.compresses or field_names == DEFAULT_FIELDS:
+  def check_fields(self, inner_state: Any) -> None:
+    """Refuses a field named by the user that no state of the inner rule has,
+    and a field this setting would compress that its rule needs exact
+    (``inner_state`` as the inner rule's ``init`` makes it)."""
+    if not self.compresses:
       return
+    field_names = tuple(name for name, _, _ in self.fields)
     found = {
       getattr(key, "name", None)
       for path, _ in jax.tree_util.tree_flatten_with_path(inner_state)[0]
       for key in path
     }
     missing = [field for field in field_names if field not in found]
-    if missing:
+    if missing and field_names != DEFAULT_FIELDS:
       fields = sorted(name for name in found if isinstance(name, str))
       raise ValueError(
         f"mixed_precision: moment fields {missing} match no field of the inner rule's "
         f"state, whose fields are {fields}. Name fields of its state (e.g. Adan's "
         "'m', 'v', 'n'), or leave moment_fields at its default ('mu', 'nu', 'trace')."
       )
+    codes = {field: code for field, code, _ in self.fields}
+    owners = _owners(inner_state, codes)
+    for owner, kind in zip(owners, self.kinds(inner_state), strict=True):
+      if kind.compressed:
+        validation.check_field_compressible(*owner, codes[owner[1]])
 
 
 def _owners(tree: Any, fields: Collection[str]) -> list[tuple[str, str] | None]:
@@ -269,18 +275,19 @@ def decompressed(stored_inner: Any, by_table: bool = False) -> Any:
   float32; ``by_table``: 8- and 4-bit codes by a table lookup, bitwise the
   same values, for the accelerator's first pass, which writes no codes
   (``two_pass.first_pass``; docs/design.md, "Compiler workarounds")."""
-
-  def leaf(x: Any) -> Any:
+  flat, treedef = jax.tree.flatten(stored_inner, is_leaf=is_compressed)
+  values = []
+  for x in flat:
     kind = KIND_OF_STORED.get(type(x))
     if kind is None:
-      return x
-    if hasattr(x[0], "replace_boxed"):  # parts in flax linen boxes: the value boxed like them
-      return x[0].replace_boxed(kind.decompress(type(x)(*(tree_lib.unboxed(p) for p in x))))
-    if by_table and isinstance(kind, BlockScaledKind):
-      return kind.decompress_once(x)
-    return kind.decompress(x)
-
-  return jax.tree.map(leaf, stored_inner, is_leaf=is_compressed)
+      values.append(x)
+    elif hasattr(x[0], "replace_boxed"):  # parts in flax linen boxes: the value boxed like them
+      values.append(x[0].replace_boxed(kind.decompress(type(x)(*(tree_lib.unboxed(p) for p in x)))))
+    elif by_table and isinstance(kind, BlockScaledKind):
+      values.append(kind.decompress(x, by_table=True))
+    else:
+      values.append(kind.decompress(x))
+  return jax.tree.unflatten(treedef, values)
 
 
 def compressed(
@@ -306,10 +313,8 @@ def compressed(
   step = applied_steps
   if others is not None and len(uncompressed) < len(flat):
     step = tree_lib.by_platform(
-      applied_steps,
-      others + uncompressed,
-      cpu=_written_after,
-      accelerator=lambda steps, _: steps,
+      cpu=functools.partial(_written_after, applied_steps, others + uncompressed),
+      accelerator=functools.partial(jnp.asarray, applied_steps),
       # An element of a sharded output would be all-gathered.
       cpu_needs_one_device=True,
     )

@@ -19,10 +19,9 @@ from mpx._src import moment_codes, variables
 from mpx._src import tree as tree_lib
 from mpx._src.states import (
   COMPRESSED_MOMENTS,
+  Bfloat16Moment,
   Nonnegative4bitMoment,
-  Nonnegative8bitMoment,
   Signed4bitMoment,
-  Signed8bitMoment,
 )
 
 
@@ -172,11 +171,9 @@ def zero1_shardings(
       # short).
       moment: Any = leaf
       shape = fit_shape = tuple(np.shape(param))
-      if isinstance(leaf, Signed8bitMoment | Nonnegative8bitMoment) and shape:
-        size, blocks = moment_codes.block_layout(shape)
-        fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
-      if isinstance(leaf, Signed4bitMoment | Nonnegative4bitMoment) and shape:
-        size, blocks = moment_codes.block_layout_4bit(shape[-1])
+      if not isinstance(leaf, Bfloat16Moment) and shape:
+        bits = 4 if isinstance(leaf, Signed4bitMoment | Nonnegative4bitMoment) else 8
+        size, blocks = moment_codes.block_layout(shape, bits)
         fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
       entries = entries_for(shape, param, fit_shape)
       codes = _fitting(entries, tuple(moment[0].shape), mesh)

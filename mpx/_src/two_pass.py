@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import moment_codes, storage, verdict
+from mpx._src import storage, verdict
 from mpx._src import tree as tree_lib
 from mpx._src.moment_codes import BlockScaledKind
 from mpx._src.moments import BLOCK_SCALED_TYPES, MomentsFormat, is_compressed
@@ -156,29 +156,29 @@ def block_maxima(
   return scales, all_finite, set(groups)
 
 
-def stored_scales(stored_inner: Any) -> list[jax.Array | None]:
-  """Returns, per leaf of the inner state (a compressed moment one leaf), the
-  scales a block-scaled moment stores, else None: what :func:`first_pass`
-  returns, in shapes and dtypes."""
-  leaves = jax.tree.leaves(stored_inner, is_leaf=is_compressed)
-  return [x.scales if isinstance(x, BLOCK_SCALED_TYPES) else None for x in leaves]
-
-
 def kept(applied: jax.Array, new: Any, old: Any) -> Any:
   """Returns the tree ``new`` where ``applied``, else ``old``, leaf by leaf (a
-  skipped step in the accelerator's program, ``verdict.run_if_finite``); an
-  8- or 4-bit moment's codes first (4-bit ones as
-  :func:`moment_codes.kept_codes` selects them), then its scales, read after
-  the codes are written: the scales' select writes over the donated old
-  scales, which the coding kernel reads to decode the old moment, and
-  without the order XLA:GPU copies the old scales first (docs/design.md,
-  "Compressed moments at the byte floor")."""
+  skipped step in the accelerator's program, ``verdict.run_if_finite``).
 
-  def leaf(n: Any, o: Any) -> Any:
+  An 8- or 4-bit moment's codes first, 4-bit ones selected as uint4 pairs:
+  XLA:GPU then fuses the select into the kernel that codes the new ones
+  (packed by ``moment_codes._pack_by_bitcast``) and writes them in place,
+  where a select of the packed bytes is a kernel of its own that reads the
+  new codes back from scratch. Then its scales, read after the codes are
+  written: the scales' select writes over the donated old scales, which the
+  coding kernel reads to decode the old moment, and without the order
+  XLA:GPU copies the old scales first (docs/design.md, "Compressed moments at
+  the byte floor")."""
+  flat_new, treedef = jax.tree.flatten(new, is_leaf=is_compressed)
+  flat_old = treedef.flatten_up_to(old)
+  selected = []
+  for n, o in zip(flat_new, flat_old, strict=True):
     if not isinstance(n, BLOCK_SCALED_TYPES):  # an array, or a bfloat16 moment's
-      return jax.tree.map(functools.partial(jnp.where, applied), n, o)
+      selected.append(jax.tree.map(functools.partial(jnp.where, applied), n, o))
+      continue
     if isinstance(n, Signed4bitMoment | Nonnegative4bitMoment):
-      codes = moment_codes.kept_codes(applied, n.codes, o.codes)
+      pairs = [jax.lax.bitcast_convert_type(c, jnp.uint4) for c in (n.codes, o.codes)]
+      codes = jax.lax.bitcast_convert_type(jnp.where(applied, *pairs), jnp.uint8)
     else:
       codes = jnp.where(applied, n.codes, o.codes)
     # Behind a barrier, so that XLA cannot compute the codes again for the
@@ -200,6 +200,5 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
       spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
       if len(spec) != blocked.ndim or spec[-1] is None:
         zero = jnp.isnan(blocked[..., 0].astype(scales.dtype)).astype(scales.dtype)
-    return type(n)(codes, jax.lax.add(scales, zero))
-
-  return jax.tree.map(leaf, new, old, is_leaf=is_compressed)
+    selected.append(type(n)(codes, jax.lax.add(scales, zero)))
+  return jax.tree.unflatten(treedef, selected)
