@@ -133,8 +133,9 @@ class MomentsFormat:
     codes = {field: code for field, code, _ in self.fields}
     owners = _owners(inner_state, codes)
     for owner, kind in zip(owners, self.kinds(inner_state), strict=True):
-      if kind.compressed:
-        validation.check_field_compressible(*owner, codes[owner[1]])
+      if kind.compressed and owner is not None:
+        state_name, field = owner
+        validation.check_field_compressible(state_name, field, codes[field])
 
 
 def _owners(tree: Any, fields: Collection[str]) -> list[tuple[str, str] | None]:

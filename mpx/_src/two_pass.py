@@ -169,6 +169,8 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
   coding kernel reads to decode the old moment, and without the order
   XLA:GPU copies the old scales first (docs/design.md, "Compressed moments at
   the byte floor")."""
+  flat_new: list[Any]
+  treedef: Any
   flat_new, treedef = jax.tree.flatten(new, is_leaf=is_compressed)
   flat_old = treedef.flatten_up_to(old)
   selected = []
@@ -178,7 +180,7 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
       continue
     if isinstance(n, Signed4bitMoment | Nonnegative4bitMoment):
       pairs = [jax.lax.bitcast_convert_type(c, jnp.uint4) for c in (n.codes, o.codes)]
-      codes = jax.lax.bitcast_convert_type(jnp.where(applied, *pairs), jnp.uint8)
+      codes = jax.lax.bitcast_convert_type(jnp.where(applied, pairs[0], pairs[1]), jnp.uint8)
     else:
       codes = jnp.where(applied, n.codes, o.codes)
     # Behind a barrier, so that XLA cannot compute the codes again for the
