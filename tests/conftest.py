@@ -13,6 +13,14 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+# jax's persistent compilation cache, in the checkout: a program that several
+# tests (or both workers, or the slow tier after the quick one) build alike is
+# compiled once. Keyed by the program, jax version and flags, so it never
+# serves another jax's program; every compile is cached, however quick.
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 import pytest
