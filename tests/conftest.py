@@ -18,7 +18,8 @@ os.environ["XLA_FLAGS"] = (
 # compiled once. Keyed by the program, jax version and flags, so it never
 # serves another jax's program; every compile is cached, however quick.
 os.environ.setdefault(
-  "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
+  "JAX_COMPILATION_CACHE_DIR",
+  os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
@@ -53,3 +54,14 @@ def finite_check_form(request):
   """
   with forced(FORMS[request.param]):
     yield request.param
+
+
+def pytest_collection_modifyitems(config, items):
+  """A param of a ``floors`` test that is itself marked slow was slow before its
+  test left the quick tier: it stays off the dependency floors (``.ci/run``),
+  where the test's other params run."""
+  del config
+  for item in items:
+    spec = getattr(item, "callspec", None)
+    if spec is not None and any(mark.name == "slow" for mark in spec.marks):
+      item.own_markers = [mark for mark in item.own_markers if mark.name != "floors"]

@@ -190,6 +190,8 @@ NNX_QUICK = (("remainder", "8bit"),)
     for mode in itertools.product(MASTERS, MOMENTS)
   ],
 )
+@pytest.mark.slow
+@pytest.mark.floors
 def test_nnx_optimizer_trains_as_the_transformation_driven_by_hand(
   masters, moments, count_compilations
 ):
@@ -239,6 +241,8 @@ def test_nnx_model_and_optimizer_trains_as_the_transformation_driven_by_hand():
 # Quick: masters that sync_masters edits (remainder), beside 8-bit moments that
 # the functions must leave as stored (stochastic, with no masters to sync, is
 # test_sync_masters' in the quick tier).
+@pytest.mark.slow
+@pytest.mark.floors
 @jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 @pytest.mark.parametrize(("masters", "moments"), pairs(("remainder", "8bit")))
 def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
@@ -290,6 +294,8 @@ def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
   # 4-bit codes, two a byte along the kernel's last axis, split as it is.
   + [pytest.param("24bit", "4bit", "eager", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow
+@pytest.mark.floors
 def test_nnx_optimizer_state_is_sharded_like_the_params_on_a_mesh(masters, moments, init):
   assert len(jax.devices()) == 8, "tests/conftest.py sets 8 host devices"
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)

@@ -58,6 +58,7 @@ def _partitioned_modes() -> tuple[optax.GradientTransformation, dict, dict]:
   return optax.partition(transforms, labels), params, labels
 
 
+@pytest.mark.slow
 def test_eager_and_jitted_steps_compute_the_same_bits_in_every_mode():
   tx, params, _ = _partitioned_modes()
   rng = np.random.default_rng(1)

@@ -116,6 +116,7 @@ def lbfgs_reference_step():
   return ref_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scaled", [False, True])
 def test_lbfgs_extra_arguments_reach_the_inner_rule_in_float32(scaled):
   params = {"w": jnp.zeros(8, jnp.bfloat16)}

@@ -109,6 +109,7 @@ def test_the_single_cpu_check_needs_almost_no_scratch(dtype):
   bad=st.one_of(st.none(), st.sampled_from([np.inf, -np.inf, np.nan])),
   data=st.data(),
 )
+@pytest.mark.slow
 def test_agrees_with_numpy_in_both_forms(dtype, size, magnitude, bad, data):
   # numpy's isfinite is the independent reference; magnitude inf means the
   # largest finite value of the dtype, so sums overflow.

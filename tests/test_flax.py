@@ -266,6 +266,8 @@ def _fp8_step(state: _Fp8TrainState, x, y, poison) -> tuple[Any, Any]:
     pytest.param(True, id="loss_scale"),
   ],
 )
+@pytest.mark.slow
+@pytest.mark.floors
 def test_linen_fp8_recipe_overwrites_metadata_only_on_applied_steps(scaled):
   dtype = BF16
   tx = mpx.mixed_precision(optax.adam(1e-2))

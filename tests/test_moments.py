@@ -530,6 +530,7 @@ def test_in_a_one_device_process_compressed_moments_are_written_in_place(tmp_pat
 @pytest.mark.parametrize(
   "moments", quick_only(["8bit", "4bit", {"mu": "8bit", "nu": "4bit"}], "4bit"), ids=str
 )
+@pytest.mark.slow
 def test_the_two_pass_coder_codes_as_the_one_pass_coder(moments):
   params = {
     "w": jax.random.normal(jax.random.key(0), (32, 1024)).astype(jnp.bfloat16),

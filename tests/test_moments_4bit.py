@@ -55,6 +55,7 @@ def test_adamw_state_bytes_per_parameter(masters, moments, at_most):
   assert type(inner.nu["w"]) is mpx.Nonnegative4bitMoment
 
 
+@pytest.mark.slow
 def test_4bit_moments_stay_near_float32_adam_and_never_zero_a_positive_nu():
   """The stream of tests/test_moments.py's 8-bit test (rows 1000x apart), 900
   steps: ``nu`` within 10% of float32's on every row's average; ``mu``

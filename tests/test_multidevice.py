@@ -237,6 +237,8 @@ def test_gspmd_state_follows_each_params_sharding_through_unpinned_steps():
   "layout, mesh_shape",
   [("dp", (8,)), pytest.param("tp", (2, 4), marks=pytest.mark.slow)],
 )
+@pytest.mark.slow
+@pytest.mark.floors
 def test_gspmd_collectives_against_plain_optax(layout, mesh_shape):
   """mpx adds no collective to plain optax on FP32 params, except, when the
   gradients are sharded (tensor parallelism), the one all-reduce of the
@@ -305,6 +307,8 @@ def test_overflow_only_in_the_cross_device_sum_is_skipped(zero):
   "mesh_shape",
   [pytest.param((8,), id="data8"), pytest.param((4, 2), id="data4xmodel2", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow
+@pytest.mark.floors
 def test_zero1_divides_state_memory_and_trains_bitwise_like_replicated(mesh_shape):
   mesh = make_mesh(mesh_shape)
   layout = "dp" if len(mesh_shape) == 1 else "tp"
@@ -450,6 +454,8 @@ def single_device_reference():
     pytest.param(pmap_step, id="pmap", marks=pytest.mark.slow),
   ],
 )
+@pytest.mark.slow
+@pytest.mark.floors
 def test_axis_name_keeps_all_replicas_in_lockstep_over_many_steps(mapper):
   reference = single_device_reference()
   seen = run_replicas(lockstep_tx("data"), mapper(lockstep_tx("data")))

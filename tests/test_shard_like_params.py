@@ -258,6 +258,8 @@ def train_sharded(masters, moments, layout, axis):
   check_steps_bitwise(tx, reference_steps, params, state, shardings, param_shardings, lambda g: g)
 
 
+@pytest.mark.slow
+@pytest.mark.floors
 @pytest.mark.parametrize("masters, moments", MODES)
 def test_every_mode_shards_like_its_params(masters, moments):
   tx = make_tx(masters, moments)
@@ -387,6 +389,8 @@ def check_boxed_layout(tx, params, state, layout):
   "masters, moments",
   [m if m in QUICK_BOXES else pytest.param(*m, marks=pytest.mark.slow) for m in MODES],
 )
+@pytest.mark.slow
+@pytest.mark.floors
 def test_every_public_function_takes_linen_boxes_in_every_mode(masters, moments):
   tx, params, state = check_public_functions_on_boxes(masters, moments, "last")
   check_boxed_layout(tx, params, state, "last")

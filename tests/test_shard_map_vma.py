@@ -98,6 +98,8 @@ def replicated_step(step, mesh, state_specs):
   )
 
 
+@pytest.mark.slow
+@pytest.mark.floors
 def test_replicated_params_with_gradients_reduced_by_autodiff(mesh):
   tx = make_tx()
   params = params_fp16()

@@ -67,6 +67,7 @@ def _train(masters, params, state, batches):
   return params, state
 
 
+@pytest.mark.slow
 def test_full_to_remainder_and_back_continues_the_run_bit_for_bit():
   params, state, batches = _start()
   never = _train("full", params, state, batches)

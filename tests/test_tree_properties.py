@@ -97,6 +97,7 @@ def expected_leaf(param, grad32):
   return expected, corner
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(spec=specs, seed=st.integers(0, 2**16), log_scale=st.integers(-2, 6))
 @jax.disable_jit()
@@ -176,6 +177,7 @@ def floating_mask(params):
   where=st.integers(0, 2**20),
   wrap=st.booleans(),
 )
+@pytest.mark.slow
 @jax.disable_jit()
 def test_any_nonfinite_float_leaf_skips_the_whole_step(
   spec, seed, poison, where, wrap, finite_check_form

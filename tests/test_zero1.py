@@ -167,6 +167,8 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.floors
 @pytest.mark.parametrize("mesh_name, masters, loss_scaled", CASES)
 def test_the_documented_step_compiles_once_and_the_shardings_settle(
   mesh_name, masters, loss_scaled
