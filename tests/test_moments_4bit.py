@@ -74,7 +74,14 @@ def test_4bit_moments_stay_near_float32_adam_and_never_zero_a_positive_nu():
   assert mu_errors[-1] <= mu_errors[0]
 
 
-@pytest.mark.parametrize("masters", ["full", "remainder", "stochastic"])
+@pytest.mark.parametrize(
+  "masters",
+  [
+    pytest.param("full", marks=pytest.mark.slow),
+    pytest.param("remainder", marks=pytest.mark.slow),
+    "stochastic",
+  ],
+)
 def test_a_skipped_step_writes_no_stored_byte_and_inner_state_decodes(masters):
   params = {"w": jax.random.normal(jax.random.key(0), (64, 512)).astype(jnp.bfloat16)}
   tx = mpx.mixed_precision(optax.adam(1e-2), masters=masters, moments="4bit")

@@ -32,6 +32,7 @@ def calls():
   return traced()
 
 
+@pytest.mark.slow  # the fixture traces the fp16 step: 5 s
 def test_one_fp16_step_reads_6_modules_45_functions_12_of_them_for_its_checks(calls):
   path = maintainability.step_path(calls)
   assert len(path.files) <= 6, path.files
@@ -44,6 +45,7 @@ def test_one_fp16_step_reads_6_modules_45_functions_12_of_them_for_its_checks(ca
   assert not any(f.endswith("validation.py") for f, _ in outside)
 
 
+@pytest.mark.slow
 def test_each_transformation_checks_its_inputs_once_per_trace(calls):
   entries = collections.Counter(name for _, name, _ in calls)
   assert entries["check_loss_scale_inputs"] == 1

@@ -40,7 +40,7 @@ def project(params):
   return {**params, "w": w}
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_edited_elements_restart_their_masters_and_the_rest_keep_their_bits(dtype):
   params = {"w": jnp.linspace(-1, 1, 48, dtype=jnp.float32).astype(dtype), "b": jnp.ones(3)}
   tx = mpx.mixed_precision(optax.sgd(1e-3))
