@@ -65,3 +65,19 @@ def pytest_collection_modifyitems(config, items):
     spec = getattr(item, "callspec", None)
     if spec is not None and any(mark.name == "slow" for mark in spec.marks):
       item.own_markers = [mark for mark in item.own_markers if mark.name != "floors"]
+
+
+@pytest.fixture
+def without_persistent_cache():
+  """Turns jax's persistent compilation cache off around a test that counts
+  XLA compilations: an executable read back from it is no compilation, and
+  its outputs' shardings may be spelled otherwise, so that a later call
+  lowers again (jax reads whether the cache is on once, hence the resets)."""
+  import jax
+  from jax._src import compilation_cache
+
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)
+  compilation_cache.reset_cache()

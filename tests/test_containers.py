@@ -107,7 +107,8 @@ def assert_same_leaves(actual: Any, expected: Any) -> None:
 
 
 @pytest.fixture
-def count_compilations():
+def count_compilations(without_persistent_cache):
+  del without_persistent_cache
   compiled: list[float] = []
 
   def listener(event, duration_secs, **kwargs):

@@ -31,6 +31,8 @@ import mpx
 STEPS = 4
 SKIPPED = 2  # a NaN in this step's batch: every mode skips it
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+# Each test counts compilations (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("without_persistent_cache")
 
 MESHES = {
   "data8": ((8,), ("data",)),
