@@ -76,8 +76,9 @@ def without_persistent_cache():
   import jax
   from jax._src import compilation_cache
 
+  enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()
   yield
-  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_enable_compilation_cache", enabled)
   compilation_cache.reset_cache()

@@ -619,7 +619,7 @@ class EightBitCompressed(BlockScaledKind):
     code = CODES[self.sign]
     codes, scales = jnp.asarray(stored.codes), jnp.asarray(stored.scales)
     shape = codes.shape
-    _, blocks = block_layout(shape)
+    size, blocks = block_layout(shape)
     expected = (*shape[:-1], blocks)
     if scales.shape != expected:
       raise ValueError(
@@ -629,7 +629,7 @@ class EightBitCompressed(BlockScaledKind):
     if by_table:
       # A copy per call: JAX lowers one array object used twice as one constant.
       level = lookup(_LEVEL_TABLES[self.sign].copy(), k)
-      value = jax.lax.mul(level, _spread(scales, shape, block_layout(shape)[0]))
+      value = jax.lax.mul(level, _spread(scales, shape, size))
       magnitude = k
       if self.sign == "nonnegative":
         value = jax.lax.max(value, jnp.full_like(value, _TINY))
@@ -655,7 +655,7 @@ class EightBitCompressed(BlockScaledKind):
       sign = jax.lax.shift_left(jax.lax.shift_right_logical(k, np.int32(7)), np.int32(31))
       bits = jax.lax.bitwise_or(bits, sign)
     level = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    value = jax.lax.mul(level, _spread(scales, shape, block_layout(shape)[0]))
+    value = jax.lax.mul(level, _spread(scales, shape, size))
     if not code.signed:
       # A product below float32's normals would flush to zero: keep it positive.
       value = jax.lax.max(value, jnp.full_like(value, _TINY))

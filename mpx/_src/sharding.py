@@ -17,11 +17,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpx._src import moment_codes, variables
 from mpx._src import tree as tree_lib
+from mpx._src.moments import KIND_OF_STORED
 from mpx._src.states import (
   COMPRESSED_MOMENTS,
-  Bfloat16Moment,
-  Nonnegative4bitMoment,
-  Signed4bitMoment,
 )
 
 
@@ -171,10 +169,10 @@ def zero1_shardings(
       # short).
       moment: Any = leaf
       shape = fit_shape = tuple(np.shape(param))
-      if not isinstance(leaf, Bfloat16Moment) and shape:
-        bits = 4 if isinstance(leaf, Signed4bitMoment | Nonnegative4bitMoment) else 8
-        size, blocks = moment_codes.block_layout(shape, bits)
-        fit_shape = (*shape[:-1], blocks if size * blocks == shape[-1] else 1)
+      kind = KIND_OF_STORED[type(leaf)]
+      if isinstance(kind, moment_codes.BlockScaledKind) and shape:
+        size = kind.block_size(shape)  # None where the blocks do not tile the axis
+        fit_shape = (*shape[:-1], shape[-1] // size if size else 1)
       entries = entries_for(shape, param, fit_shape)
       codes = _fitting(entries, tuple(moment[0].shape), mesh)
       scales = _fitting(entries, fit_shape, mesh)
