@@ -176,18 +176,18 @@ def test_nnx_optimizer_on_flax_0_11_names_the_version_it_needs(monkeypatch):
     nnx.Optimizer(model, make_tx("full", "full"), wrt=nnx.Param)
 
 
-# Every masters x moments mode; the quick tier keeps remainder-8bit (masters
+# Every masters x moments mode (-m slow); the dependency floors run remainder-8bit (masters
 # and 8-bit codes: the state nnx rewraps least like a plain tree); full
 # masters in nnx are test_flax's, stochastic masters and bfloat16 moments the
-# equinox, orbax and linen tests'. The slow tier runs the other eleven.
-NNX_QUICK = (("remainder", "8bit"),)
+# equinox, orbax and linen tests'.
+NNX_FLOORS = (("remainder", "8bit"),)
 
 
 @jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 @pytest.mark.parametrize(
   ("masters", "moments"),
   [
-    pytest.param(*mode, marks=() if mode in NNX_QUICK else pytest.mark.slow)
+    pytest.param(*mode, marks=() if mode in NNX_FLOORS else pytest.mark.slow)
     for mode in itertools.product(MASTERS, MOMENTS)
   ],
 )
@@ -239,7 +239,7 @@ def test_nnx_model_and_optimizer_trains_as_the_transformation_driven_by_hand():
   assert_same_leaves(nnx.as_pure(optimizer.opt_state), expected_state)
 
 
-# Quick: masters that sync_masters edits (remainder), beside 8-bit moments that
+# On the floors: masters that sync_masters edits (remainder), beside 8-bit moments that
 # the functions must leave as stored (stochastic, with no masters to sync, is
 # test_sync_masters' in the quick tier).
 @pytest.mark.slow
@@ -283,7 +283,7 @@ def test_mpx_functions_work_on_an_nnx_optimizer_state(masters, moments):
 
 # The optimizer is built eagerly (each operation of its init compiled for the
 # mesh on its own: about 10 s for 8-bit moments on 2 cores) or under nnx.jit,
-# as flax's guide builds sharded state. The quick tier keeps remainder-8bit
+# as flax's guide builds sharded state. The floors run remainder-8bit
 # under nnx.jit: the stored leaves of the kernel's shape are then its masters'
 # remainders and its moments' codes, beside block scales. The slow tier builds
 # every pair of PAIRS eagerly (full-bfloat16: bfloat16 values).
@@ -380,7 +380,8 @@ def test_equinox_partitioned_model_and_state_train_as_by_hand(masters, moments):
   assert tree_equal(state, expected_state)
 
 
-# Quick: the one pair that the other quick containers leave to nnx alone.
+# Quick: full masters with bfloat16 moments, a pair no other quick container
+# test takes (the nnx tests, -m slow, take every pair).
 @pytest.mark.parametrize(("masters", "moments"), pairs(("full", "bfloat16")))
 def test_linen_train_state_trains_as_by_hand(masters, moments):
   from flax.training import train_state

@@ -257,7 +257,7 @@ def _fp8_step(state: _Fp8TrainState, x, y, poison) -> tuple[Any, Any]:
 
 # flax's fp8 layers compute NaN with float16 compute even under plain optax
 # (their kernel amax overflows), so bfloat16 it is, with and without scaling.
-# Quick: under loss_scale (the metadata beside scaled gradients, and a scale
+# On the floors: under loss_scale (the metadata beside scaled gradients, and a scale
 # that backs off on the skipped step); -m slow adds mixed_precision alone.
 @pytest.mark.parametrize(
   "scaled",

@@ -193,7 +193,7 @@ def test_zero1_shardings_specs_for_every_kind_of_leaf():
 # --- GSPMD -----------------------------------------------------------------
 
 
-@pytest.mark.slow  # the quick tier pins the shardings (test_zero1.py); here nothing is pinned
+@pytest.mark.slow  # test_zero1.py pins the shardings; here nothing is pinned
 def test_gspmd_state_follows_each_params_sharding_through_unpinned_steps():
   """2x4 mesh, tensor-parallel params: with nothing pinned but the inputs,
   after every step (one skipped) each master and moment is sharded exactly
@@ -230,7 +230,7 @@ def test_gspmd_state_follows_each_params_sharding_through_unpinned_steps():
   assert params["w1"].sharding.spec == P(None, "model")
 
 
-# Quick: data parallelism. -m slow adds the tensor-parallel count (one extra
+# On the floors: data parallelism. -m slow adds the tensor-parallel count (one extra
 # all-reduce), here and in the ZeRO-1 test on the 4 x 2 mesh.
 @jax_versions.requires_jax("0.7.0", "GSPMD before Shardy adds two all-reduces")
 @pytest.mark.parametrize(
@@ -301,8 +301,8 @@ def test_overflow_only_in_the_cross_device_sum_is_skipped(zero):
 # --- ZeRO-1 ----------------------------------------------------------------
 
 
-# The quick tier keeps plain data parallelism over 8 devices (test_zero1.py's
-# quick cases place tensor-parallel params); -m slow adds the 4 x 2 mesh.
+# The floors run plain data parallelism over 8 devices (test_zero1.py's
+# floors cases place tensor-parallel params); -m slow adds the 4 x 2 mesh.
 @pytest.mark.parametrize(
   "mesh_shape",
   [pytest.param((8,), id="data8"), pytest.param((4, 2), id="data4xmodel2", marks=pytest.mark.slow)],
@@ -446,7 +446,7 @@ def single_device_reference():
   return seen
 
 
-# Quick: shard_map; -m slow adds pmap (which newer jax runs through shard_map).
+# On the floors: shard_map; -m slow adds pmap (which newer jax runs through shard_map).
 @pytest.mark.parametrize(
   "mapper",
   [

@@ -61,12 +61,12 @@ LAYOUTS = {
     {"w1": P("data", "model"), "w2": P("model", "data"), "b": P("model"), "norm": P()},
   ),
 }
-# The quick tier lays every mode out (no compilation) and tries the public
+# The floors lay every mode out (no compilation) and try the public
 # functions on boxes for the mode of the outside checks (4-bit codes and the
 # stochastic keys under boxes); tests/test_zero1.py and test_multidevice.py
 # train sharded there. With -m slow every mode trains, and every mode's public
 # functions take boxes.
-QUICK_BOXES = {("stochastic", "4bit")}
+FLOORS_BOXES = {("stochastic", "4bit")}
 TRAINING = [(layout, axis) for layout in LAYOUTS for axis in (None, "data")]
 
 
@@ -74,7 +74,7 @@ def slow_training(mode):
   """Returns the (layout, axis) pair ``mode`` trains in with -m slow, in turn
   over the modes: each pair is trained by a sixth of them (every mode in every
   pair would take CI's budget; the layouts of every pair are checked for every
-  mode in the quick tier, and every mode also trains through linen boxes)."""
+  mode, on the floors too, and every mode also trains through linen boxes)."""
   return [TRAINING[MODES.index(mode) % len(TRAINING)]]
 
 
@@ -387,7 +387,7 @@ def check_boxed_layout(tx, params, state, layout):
 
 @pytest.mark.parametrize(
   "masters, moments",
-  [m if m in QUICK_BOXES else pytest.param(*m, marks=pytest.mark.slow) for m in MODES],
+  [m if m in FLOORS_BOXES else pytest.param(*m, marks=pytest.mark.slow) for m in MODES],
 )
 @pytest.mark.slow
 @pytest.mark.floors
@@ -462,7 +462,7 @@ def test_tree_map_params_hands_rounding_keys_to_transform_non_params():
 
 
 # Both frictions at once (the key and the scales), and each alone; -m slow
-# (four compilations for the mesh and one device each). The quick tier puts
+# (four compilations for the mesh and one device each). The floors put
 # mpx's state on a mesh through a container in test_containers (nnx, the box
 # rule linen's shares) and lays out every mode here with zero1_shardings.
 LINEN_MODES = [

@@ -148,11 +148,11 @@ def mismatches(tree, shardings):
 
 
 # Every masters mode with and without loss_scale on the data-parallel mesh,
-# and the two other meshes. Each case compiles its step twice; the quick run
-# takes two (float32 masters on fp16 params, int16 remainders, the loss
+# and the two other meshes. Each case compiles its step twice; the floors
+# take two (float32 masters on fp16 params, int16 remainders, the loss
 # scale's scalars, tensor-parallel specs); -m slow adds the rest (rounding
 # keys, bare steps, and a size-1 axis that XLA drops from its specs).
-QUICK = {
+FLOORS = {
   ("data8", "remainder", True),
   ("data4xmodel2", "full", True),
 }
@@ -163,7 +163,7 @@ CASES = [
   pytest.param(
     *case,
     id=f"{case[0]}-{case[1]}-{'loss_scale' if case[2] else 'bare'}",
-    marks=() if case in QUICK else pytest.mark.slow,
+    marks=() if case in FLOORS else pytest.mark.slow,
   )
   for case in MATRIX
 ]
