@@ -64,8 +64,8 @@ LAYOUTS = {
 # The floors lay every mode out (no compilation) and try the public
 # functions on boxes for the mode of the outside checks (4-bit codes and the
 # stochastic keys under boxes); tests/test_zero1.py and test_multidevice.py
-# train sharded there. With -m slow every mode trains, and every mode's public
-# functions take boxes.
+# train sharded there. With -m slow every mode trains, sharded and through
+# boxes (after the public functions' checks on them).
 FLOORS_BOXES = {("stochastic", "4bit")}
 TRAINING = [(layout, axis) for layout in LAYOUTS for axis in (None, "data")]
 
@@ -385,13 +385,13 @@ def check_boxed_layout(tx, params, state, layout):
     jax.device_put(state, from_boxes)  # the boxed state takes them
 
 
-@pytest.mark.parametrize(
-  "masters, moments",
-  [m if m in FLOORS_BOXES else pytest.param(*m, marks=pytest.mark.slow) for m in MODES],
-)
+# Every mode's public functions take boxes in
+# test_every_mode_trains_through_linen_boxes_bitwise, which trains after the
+# same checks; this one runs them alone, without training, at the floors too.
+@pytest.mark.parametrize("masters, moments", sorted(FLOORS_BOXES))
 @pytest.mark.slow
 @pytest.mark.floors
-def test_every_public_function_takes_linen_boxes_in_every_mode(masters, moments):
+def test_every_public_function_takes_linen_boxes(masters, moments):
   tx, params, state = check_public_functions_on_boxes(masters, moments, "last")
   check_boxed_layout(tx, params, state, "last")
 
