@@ -263,9 +263,24 @@ class _Step:
       )
     finite = leaf_skip.finite_by_leaf(leaves.grads, leaves.received_dtypes)
     flags = finite if step_due is None else [jnp.logical_and(f, step_due) for f in finite]
-    if self.moments_format.compresses:  # coded in one pass, with no scales given
+    if self.moments_format.compresses:
+      scales = None
+      if self.moments_format.block_scaled:  # on accelerators, two passes leaf by leaf
+        # Unread in XLA:CPU's program (it codes in one pass), where XLA drops it.
+        scales = two_pass.maxima_by_leaf(
+          self.moments_format,
+          functools.partial(
+            self._step_on_masters,
+            unscaling=None,
+            applied_steps=state.applied_steps,
+            extra_args=extra_args,
+            decompress=functools.partial(moments_lib.decompressed, by_table=True),
+          ),
+          stored,
+          leaves,
+        )
       new, handoffs = self._step_with_compressed_moments(
-        stored, leaves, None, state.applied_steps, extra_args, None
+        stored, leaves, None, state.applied_steps, extra_args, scales
       )
     else:
       new, handoffs = self._step_on_masters(stored, leaves, None, state.applied_steps, extra_args)

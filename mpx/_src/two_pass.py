@@ -84,6 +84,29 @@ def first_pass(
   return verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name), scales, stalled
 
 
+def maxima_by_leaf(
+  moments_format: MomentsFormat,
+  inner_step: Callable[..., tuple[Any, list[Any]]],
+  stored: Any,
+  leaves: Any,
+) -> list[jax.Array | None]:
+  """Returns the new 8- and 4-bit moments' block maxima (None for the other
+  leaves of the inner state): :func:`first_pass` for ``skip="leaf"``, with no
+  verdict and no stall check, and each array behind a barrier of its own, so
+  that a leaf's maxima wait for its own gradient alone, not for every
+  gradient (one barrier over all of them would hold the whole gradient)."""
+  flat, treedef = jax.tree.flatten((stored, leaves))
+  flat = [
+    jax.lax.optimization_barrier(x) if isinstance(x, jax.Array | np.ndarray) else x for x in flat
+  ]
+  new, _ = inner_step(*jax.tree.unflatten(treedef, flat))
+  kinds = moments_format.kinds(new.inner)
+  return [
+    kind.maxima(value) if isinstance(kind, BlockScaledKind) else None
+    for kind, value in zip(kinds, jax.tree.leaves(new.inner), strict=True)
+  ]
+
+
 def block_maxima(
   moments_format: MomentsFormat, new_inner: Any, grads: Mapping[str, jax.Array]
 ) -> tuple[list[jax.Array | None], jax.Array, set[str]]:
