@@ -17,7 +17,7 @@ import os
 import pathlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -94,9 +94,11 @@ def measure(
   tx: optax.GradientTransformation,
   micro_step: bool = False,
   topo: Any = None,
+  clip: float | None = None,
 ) -> Row:
   """Compiles ``tx``'s whole step (or, with ``micro_step``, its accumulation
-  micro-step) for one H100 of ``topo`` (by default a new one) and reads its figures."""
+  micro-step) for one H100 of ``topo`` (by default a new one) and reads its
+  figures; with ``clip``, on gradients from ``mpx.clipped_grad(loss, clip)``."""
   topo = topology() if topo is None else topo
   sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
   params = {
@@ -106,7 +108,10 @@ def measure(
   batch = jax.ShapeDtypeStruct((model.batch, model.width), jnp.bfloat16, sharding=sharding)
 
   def step(params, state, batch):
-    grads = jax.grad(model.loss)(params, batch)
+    if clip is None:
+      grads = jax.grad(model.loss)(params, batch)
+    else:
+      grads, _ = mpx.clipped_grad(model.loss, clip)(params, batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -124,38 +129,65 @@ def measure(
 Maker = Callable[[], optax.GradientTransformation]
 
 
-def rows(every_mode: bool = True) -> list[tuple[str, Maker, bool]]:
+class Step(NamedTuple):
+  """A step compared: its name, its transformation's maker, whether it is the
+  accumulation micro-step, and the norm ``mpx.clipped_grad`` clips to (None: no
+  two-pass clipping)."""
+
+  name: str
+  make: Maker
+  micro_step: bool = False
+  clip: float | None = None
+
+
+def rows(every_mode: bool = True) -> list[Step]:
   """The steps compared: optax's beside mpx's (every masters x moments mode,
   or with ``every_mode=False`` the 4-bit ones; each with ``skip="step"``, the
-  default, and ``skip="leaf"``), and accumulation, by
-  ``optax.MultiSteps`` and by ``mpx.accumulate`` (its two programs) with 4-bit
-  moments and each masters mode (bfloat16 accumulator; float32 too for the
-  exact and 24-bit masters)."""
-  mp = lambda m, f: lambda: mpx.mixed_precision(optax.adamw(1e-3), masters=m, moments=f)  # noqa: E731
-  steps: list[tuple[str, Maker, bool]] = [("optax adamw", lambda: optax.adamw(1e-3), False)]
+  default, and ``skip="leaf"``); clipping by the global norm in one pass
+  (optax's) and in two (``mpx.clipped_grad``), and by each leaf's RMS
+  (``optax.clip_by_block_rms``); and accumulation, by ``optax.MultiSteps``
+  and by ``mpx.accumulate`` (its two programs) with 4-bit moments and each
+  masters mode (bfloat16 accumulator; float32 too for the exact and 24-bit
+  masters)."""
+  mp = lambda m, f, **kw: lambda: mpx.mixed_precision(optax.adamw(1e-3), masters=m, moments=f, **kw)  # noqa: E731
+  steps = [Step("optax adamw", lambda: optax.adamw(1e-3))]
   for masters in SWEEP_MASTERS:
     for moments in SWEEP_MOMENTS if every_mode else ("4bit",):
-      steps.append((mode_name(masters, moments), mp(masters, moments), False))
+      steps.append(Step(mode_name(masters, moments), mp(masters, moments)))
   for masters in SWEEP_MASTERS:
     for moments in SWEEP_MOMENTS if every_mode else ("4bit",):
-      leaf = lambda m=masters, f=moments: mpx.mixed_precision(  # noqa: E731
-        optax.adamw(1e-3), masters=m, moments=f, skip="leaf"
+      steps.append(
+        Step(f"{mode_name(masters, moments)}, skip=leaf", mp(masters, moments, skip="leaf"))
       )
-      steps.append((f"{mode_name(masters, moments)}, skip=leaf", leaf, False))
+  clip_then_adamw = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))  # noqa: E731
+  rms_then_adamw = lambda: optax.chain(optax.clip_by_block_rms(1.0), optax.adamw(1e-3))  # noqa: E731
+  steps += [
+    Step("optax clip_by_global_norm + adamw", clip_then_adamw),
+    Step("optax adamw, mpx.clipped_grad", lambda: optax.adamw(1e-3), clip=1.0),
+  ]
+  for f in ("bfloat16", "4bit"):
+
+    def in_rule(inner: Maker, f: str = f, **kw: Any) -> Maker:
+      return lambda: mpx.mixed_precision(inner(), masters="24bit", moments=f, **kw)
+
+    name = f"mpx 24bit + {f} moments"
+    steps += [
+      Step(f"{name}, clip_by_global_norm", in_rule(clip_then_adamw)),
+      Step(f"{name}, skip=leaf, mpx.clipped_grad", mp("24bit", f, skip="leaf"), clip=1.0),
+      Step(f"{name}, skip=leaf, clip_by_block_rms", in_rule(rms_then_adamw, skip="leaf")),
+    ]
   steps.append(
-    (f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(optax.adamw(1e-3), K), False)
+    Step(f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(optax.adamw(1e-3), K))
   )
   r24 = mp("24bit", "4bit")
-  steps.append(
-    (f"optax.MultiSteps(mpx 24bit + 4bit, {K})", lambda: optax.MultiSteps(r24(), K), False)
-  )
+  steps.append(Step(f"optax.MultiSteps(mpx 24bit + 4bit, {K})", lambda: optax.MultiSteps(r24(), K)))
   for masters in SWEEP_MASTERS:
     for accumulator in ("bfloat16", "float32"):
       if accumulator == "float32" and masters not in ("remainder", "24bit"):
         continue
       make = lambda m=masters, a=accumulator: mpx.accumulate(mp(m, "4bit")(), K, accumulator=a)  # noqa: E731
       name = f"mpx.accumulate({masters} + 4bit, {K}, {accumulator})"
-      steps += [(f"{name}, applying", make, False), (f"{name}, micro-step", make, True)]
+      steps += [Step(f"{name}, applying", make), Step(f"{name}, micro-step", make, True)]
   return steps
 
 
@@ -171,8 +203,8 @@ def table(model: Model, every_mode: bool = True) -> list[str]:
   ]
   print("\n".join(lines), flush=True)
   topo = topology()
-  for name, make, micro_step in rows(every_mode):
-    row = measure(name, model, make(), micro_step, topo)
+  for step in rows(every_mode):
+    row = measure(step.name, model, step.make(), step.micro_step, topo, step.clip)
     lines.append(
       f"| {row.name} | {row.kept:.2f} | {row.transient:.2f} | {row.total:.2f} | "
       f"{row.moved:.1f} | {row.conditionals} |"

@@ -5,6 +5,7 @@ masters; wrap it in ``mpx.loss_scale`` for float16.
 """
 
 from mpx._src.accumulation import accumulate, accumulate_gradients
+from mpx._src.clipping import clipped_grad
 from mpx._src.full_precision import init_from_full_precision
 from mpx._src.hyperparams import adjust
 from mpx._src.loss_scale import (
@@ -56,6 +57,7 @@ __all__ = [
   "all_finite",
   "cast_tree",
   "check_master_precision",
+  "clipped_grad",
   "get_loss_scale",
   "init_from_full_precision",
   "inner_state",

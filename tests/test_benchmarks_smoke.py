@@ -511,3 +511,17 @@ def test_init_time_prints_a_row_per_moments_format():
   stdout = run_smoke(ROOT / "benchmarks" / "init_time.py")
   rows = [line.split("|")[1].strip() for line in stdout.splitlines() if line.startswith("| ")]
   assert rows[1:] == ["full", "8bit", "4bit"], stdout
+
+
+def test_clipping_time_prints_each_step_relative_to_clipping_in_the_rule():
+  stdout = run_smoke(ROOT / "benchmarks" / "clipping_time.py")
+  rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| ")]
+  names = [cells[0].strip() for cells in rows[1:]]
+  assert names == [
+    "unclipped",
+    "clip_by_global_norm in the rule",
+    "mpx.clipped_grad, skip=leaf",
+    "clip_by_block_rms in the rule, skip=leaf",
+  ], stdout
+  assert rows[2][2].strip() == "1.00", stdout
+  assert all(float(cells[1]) > 0 for cells in rows[1:]), stdout

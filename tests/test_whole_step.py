@@ -120,14 +120,23 @@ def adamw_many_leaves() -> whole_step.Row:
 
 @pytest.mark.parametrize(
   "masters, moments",
-  [("full", "full"), ("remainder", "bfloat16"), ("24bit", "bfloat16"), ("stochastic", "bfloat16")],
+  [
+    ("full", "full"),
+    ("remainder", "bfloat16"),
+    ("24bit", "bfloat16"),
+    ("stochastic", "bfloat16"),
+    ("24bit", "4bit"),
+    ("stochastic", "4bit"),
+  ],
 )
 def test_skip_by_leaf_holds_what_adamw_holds(adamw_many_leaves, masters, moments):
   """With `skip="leaf"` each leaf is updated as its gradient arrives: beside
   params and state the step holds what optax's adamw holds and at most one
   leaf's gradient more (its verdict is read before the leaf is written;
   docs/benchmarks_whole_step.md), where the default step holds the whole
-  gradient (2 B/param more)."""
+  gradient (2 B/param more). With 4-bit moments the accelerator codes them
+  in two passes leaf by leaf (``two_pass.maxima_by_leaf``); 8-bit ones hold a
+  leaf's decoded moments more at this size (not on the 67M stack)."""
 
   def step(skip):
     tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments, skip=skip)
@@ -136,3 +145,29 @@ def test_skip_by_leaf_holds_what_adamw_holds(adamw_many_leaves, masters, moments
   largest_leaf = 2 * max(s[0] * s[1] for s in MANY_LEAVES.shapes().values()) / MANY_LEAVES.params
   assert step("leaf").transient <= adamw_many_leaves.transient + largest_leaf + 0.01
   assert step("step").transient >= adamw_many_leaves.transient + 1.5
+
+
+def test_two_pass_clipping_holds_what_adamw_holds_where_one_pass_holds_the_gradient(
+  adamw_many_leaves,
+):
+  """Clipped by the global norm in one pass (optax's), the step holds the whole
+  gradient; with the norm from a first backward pass (``mpx.clipped_grad``)
+  and ``skip="leaf"``, what adamw holds and at most one leaf's gradient more,
+  for a second backward pass's bytes (docs/howto.md, "Clip by the global norm")."""
+  # bfloat16 moments: with 8- and 4-bit ones the clipped step still holds the
+  # gradient (docs/benchmarks_whole_step.md).
+  clip_first = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  one_pass = mpx.mixed_precision(clip_first, masters="24bit", moments="bfloat16")
+  two_pass = mpx.mixed_precision(
+    optax.adamw(1e-3), masters="24bit", moments="bfloat16", skip="leaf"
+  )
+  unclipped = whole_step.measure("unclipped", MANY_LEAVES, two_pass)
+  clipped = whole_step.measure("clipped", MANY_LEAVES, two_pass, clip=1.0)
+  largest_leaf = 2 * max(s[0] * s[1] for s in MANY_LEAVES.shapes().values()) / MANY_LEAVES.params
+  assert clipped.transient <= adamw_many_leaves.transient + largest_leaf + 0.01
+  assert whole_step.measure("one pass", MANY_LEAVES, one_pass).transient >= (
+    adamw_many_leaves.transient + 1.5
+  )
+  # The second pass: its forward and backward kernels' bytes again, no more.
+  assert unclipped.moved < clipped.moved < 2 * unclipped.moved
+  assert clipped.conditionals == 0

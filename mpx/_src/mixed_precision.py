@@ -249,7 +249,8 @@ class _Step:
     """``update_fn`` with ``skip="leaf"``: the step run on every leaf, then each
     leaf's new master, moments and update kept where its gradient is finite
     (and ``step_due``). No select reads every gradient, so XLA updates each
-    leaf as its gradient arrives; 8- and 4-bit moments are coded in one pass."""
+    leaf as its gradient arrives; on accelerators 8- and 4-bit moments are coded in
+    two passes leaf by leaf (``two_pass.maxima_by_leaf``)."""
     if unscaling is not None:
       raise ValueError(
         "loss_scale: a mixed_precision with skip='leaf' cannot be its inner rule. An "
