@@ -220,6 +220,8 @@ def test_nnx_optimizer_trains_as_the_transformation_driven_by_hand(
   assert type(got) is type(want)
 
 
+@pytest.mark.slow  # 12 s; test_flax.py trains nnx.Optimizer in the quick tier
+@pytest.mark.floors
 @jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 def test_nnx_model_and_optimizer_trains_as_the_transformation_driven_by_hand():
   if not hasattr(nnx, "ModelAndOptimizer"):

@@ -150,6 +150,8 @@ def fsdp_setup(mesh, tx):
   return step, params, state
 
 
+@pytest.mark.slow  # 10 s; the other shard_map tests here stay quick
+@pytest.mark.floors
 def test_fsdp_params_grads_and_state_sharded(mesh):
   step, params, state = fsdp_setup(mesh, make_tx())
   for x, y in batches():
