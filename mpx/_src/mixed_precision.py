@@ -163,8 +163,19 @@ class _Step:
     )
     leaves = _Leaves.align(mode, self.dtype, updates, params, getattr(state, mode.stored_field))
     stored = _Stored(leaves.stored, state.inner_state)
+    # The step as the accelerator's first pass runs it again for the new 8-
+    # and 4-bit moments' block maxima (two_pass.py), old moments read by table.
+    step_again = functools.partial(
+      self._step_on_masters,
+      unscaling=unscaling,
+      applied_steps=state.applied_steps,
+      extra_args=extra_args,
+      decompress=functools.partial(moments_lib.decompressed, by_table=True),
+    )
     if self.skip == "leaf":
-      return self._update_by_leaf(state, leaves, stored, params, unscaling, step_due, extra_args)
+      return self._update_by_leaf(
+        state, leaves, stored, params, unscaling, step_due, extra_args, step_again
+      )
     # 2. The verdict, on each gradient as the inner rule will receive it; with
     #    8- or 4-bit moments, on accelerators, read with their block maxima in
     #    the first of two passes (two_pass.first_pass), which also reads the
@@ -182,17 +193,7 @@ class _Step:
           jnp.zeros((), bool),  # unread
         ),
         accelerator=lambda: two_pass.first_pass(
-          moments_format,
-          functools.partial(
-            self._step_on_masters,
-            unscaling=unscaling,
-            applied_steps=state.applied_steps,
-            extra_args=extra_args,
-            decompress=functools.partial(moments_lib.decompressed, by_table=True),
-          ),
-          stored,
-          leaves,
-          unscaling,
+          moments_format, step_again, stored, leaves, unscaling
         ),
       )
     else:
@@ -245,6 +246,7 @@ class _Step:
     unscaling: verdict.Unscaling | None,
     step_due: jax.Array | None,
     extra_args: dict[str, Any],
+    step_again: Callable[..., tuple[_Stored, list[Any]]],
   ) -> tuple[optax.Updates, Any, jax.Array]:
     """``update_fn`` with ``skip="leaf"``: the step run on every leaf, then each
     leaf's new master, moments and update kept where its gradient is finite
@@ -268,18 +270,7 @@ class _Step:
       scales = None
       if self.moments_format.block_scaled:  # on accelerators, two passes leaf by leaf
         # Unread in XLA:CPU's program (it codes in one pass), where XLA drops it.
-        scales = two_pass.maxima_by_leaf(
-          self.moments_format,
-          functools.partial(
-            self._step_on_masters,
-            unscaling=None,
-            applied_steps=state.applied_steps,
-            extra_args=extra_args,
-            decompress=functools.partial(moments_lib.decompressed, by_table=True),
-          ),
-          stored,
-          leaves,
-        )
+        scales = two_pass.maxima_by_leaf(self.moments_format, step_again, stored, leaves)
       new, handoffs = self._step_with_compressed_moments(
         stored, leaves, None, state.applied_steps, extra_args, scales
       )
