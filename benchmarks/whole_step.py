@@ -149,7 +149,10 @@ def rows(every_mode: bool = True) -> list[Step]:
   and by ``mpx.accumulate`` (its two programs) with 4-bit moments and each
   masters mode (bfloat16 accumulator; float32 too for the exact and 24-bit
   masters)."""
-  mp = lambda m, f, **kw: lambda: mpx.mixed_precision(optax.adamw(1e-3), masters=m, moments=f, **kw)  # noqa: E731
+
+  def mp(m: str, f: Any, inner: Maker = lambda: optax.adamw(1e-3), **kw: Any) -> Maker:
+    return lambda: mpx.mixed_precision(inner(), masters=m, moments=f, **kw)
+
   steps = [Step("optax adamw", lambda: optax.adamw(1e-3))]
   for masters in SWEEP_MASTERS:
     for moments in SWEEP_MOMENTS if every_mode else ("4bit",):
@@ -166,15 +169,11 @@ def rows(every_mode: bool = True) -> list[Step]:
     Step("optax adamw, mpx.clipped_grad", lambda: optax.adamw(1e-3), clip=1.0),
   ]
   for f in ("bfloat16", "4bit"):
-
-    def in_rule(inner: Maker, f: str = f, **kw: Any) -> Maker:
-      return lambda: mpx.mixed_precision(inner(), masters="24bit", moments=f, **kw)
-
     name = f"mpx 24bit + {f} moments"
     steps += [
-      Step(f"{name}, clip_by_global_norm", in_rule(clip_then_adamw)),
+      Step(f"{name}, clip_by_global_norm", mp("24bit", f, clip_then_adamw)),
       Step(f"{name}, skip=leaf, mpx.clipped_grad", mp("24bit", f, skip="leaf"), clip=1.0),
-      Step(f"{name}, skip=leaf, clip_by_block_rms", in_rule(rms_then_adamw, skip="leaf")),
+      Step(f"{name}, skip=leaf, clip_by_block_rms", mp("24bit", f, rms_then_adamw, skip="leaf")),
     ]
   steps.append(
     Step(f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(optax.adamw(1e-3), K))

@@ -72,7 +72,6 @@ def test_with_every_gradient_finite_it_is_the_default_step(masters, moments):
 # compute each new moment in other fusions, where XLA:CPU contracts
 # multiply-adds otherwise (a scale an ulp apart, seen with 24-bit masters).
 GPU_PROGRAM_WORKER = """
-import sys
 from lowering_forms import forced
 from test_leaf_skip import MASTERS, make, params_and_grads, run
 from treecheck import tree_equal

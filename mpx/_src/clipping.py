@@ -74,26 +74,19 @@ def clipped_grad(
 def global_norm(grads: Any) -> jax.Array:
   """Returns the float32 global norm of the floating leaves of ``grads``, as
   ``optax.clip_by_global_norm`` computes it on them in float32."""
-  return optax.tree.norm(_float32(grads))
+  return optax.tree.norm(tree_lib.cast_tree(grads, jnp.float32))
 
 
 def clip_to_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
   """Returns the floating leaves of ``grads`` in float32, scaled as
   ``optax.clip_by_global_norm(max_norm)`` scales them where their norm is
-  ``norm``; NaN everywhere where ``norm`` is not finite."""
-  within = jnp.squeeze(norm < max_norm)
+  ``norm`` (float32); NaN everywhere where ``norm`` is not finite."""
+  within = norm < max_norm
   finite = jnp.isfinite(norm)
 
-  def clip(g: Any) -> Any:
-    if not tree_lib.is_floating(g):
-      return g
-    scaled = jax.lax.select(within, g, (g / norm.astype(g.dtype)) * max_norm)
+  def clip(g: jax.Array) -> jax.Array:
+    g = g.astype(jnp.float32)
+    scaled = jax.lax.select(within, g, (g / norm) * max_norm)
     return jnp.where(finite, scaled, jnp.nan)
 
-  return jax.tree.map(clip, _float32(grads))
-
-
-def _float32(grads: Any) -> Any:
-  return jax.tree.map(
-    lambda g: jnp.asarray(g, jnp.float32) if tree_lib.is_floating(g) else g, grads
-  )
+  return tree_lib.map_floating(grads, clip)
