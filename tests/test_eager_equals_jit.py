@@ -42,12 +42,14 @@ def test_the_exponent_gap_corner_lands_param_and_master_together(masters, jit):
   assert _exponent_gap_step(masters, jit) == (-4.0, -4.0)
 
 
-def _partitioned_modes() -> tuple[optax.GradientTransformation, dict, dict]:
+def _partitioned_modes(skip: str = "step") -> tuple[optax.GradientTransformation, dict, dict]:
   """One transformation holding every masters x moments mode, a group each, on
   leaves large enough to compress, plus a float32 leaf with no master."""
   labels = {f"{m}/{n}": f"{m}/{n}" for m, n in MODES}
   transforms = {
-    label: mpx.mixed_precision(optax.adamw(1e-2, weight_decay=0.1), masters=m, moments=n, seed=7)
+    label: mpx.mixed_precision(
+      optax.adamw(1e-2, weight_decay=0.1), masters=m, moments=n, seed=7, skip=skip
+    )
     for label, (m, n) in zip(labels, MODES, strict=True)
   }
   rng = np.random.default_rng(0)
@@ -59,8 +61,9 @@ def _partitioned_modes() -> tuple[optax.GradientTransformation, dict, dict]:
 
 
 @pytest.mark.slow
-def test_eager_and_jitted_steps_compute_the_same_bits_in_every_mode():
-  tx, params, _ = _partitioned_modes()
+@pytest.mark.parametrize("skip", ["step", "leaf"])
+def test_eager_and_jitted_steps_compute_the_same_bits_in_every_mode(skip):
+  tx, params, _ = _partitioned_modes(skip)
   rng = np.random.default_rng(1)
   state = tx.init(params)
   jitted = jax.jit(tx.update)

@@ -164,8 +164,9 @@ class _Step:
     leaves = _Leaves.align(mode, self.dtype, updates, params, getattr(state, mode.stored_field))
     stored = _Stored(leaves.stored, state.inner_state)
     # The step as the accelerator's first pass runs it again for the new 8-
-    # and 4-bit moments' block maxima (two_pass.py), old moments read by table.
-    step_again = functools.partial(
+    # and 4-bit moments' block maxima (two_pass.py), old moments read by table;
+    # a pytree, so that a jitted step takes its arrays as arguments.
+    step_again = jax.tree_util.Partial(
       self._step_on_masters,
       unscaling=unscaling,
       applied_steps=state.applied_steps,
@@ -266,16 +267,29 @@ class _Step:
       )
     finite = leaf_skip.finite_by_leaf(leaves.grads, leaves.received_dtypes)
     flags = finite if step_due is None else [jnp.logical_and(f, step_due) for f in finite]
-    if self.moments_format.compresses:
+
+    def step(
+      stored: _Stored,
+      leaves: _Leaves,
+      applied_steps: jax.Array,
+      extra_args: dict[str, Any],
+      step_again: Callable[..., tuple[_Stored, list[Any]]],
+    ) -> tuple[_Stored, list[Any]]:
+      if not self.moments_format.compresses:
+        return self._step_on_masters(stored, leaves, None, applied_steps, extra_args)
       scales = None
       if self.moments_format.block_scaled:  # on accelerators, two passes leaf by leaf
         # Unread in XLA:CPU's program (it codes in one pass), where XLA drops it.
         scales = two_pass.maxima_by_leaf(self.moments_format, step_again, stored, leaves)
-      new, handoffs = self._step_with_compressed_moments(
-        stored, leaves, None, state.applied_steps, extra_args, scales
+      return self._step_with_compressed_moments(
+        stored, leaves, None, applied_steps, extra_args, scales
       )
-    else:
-      new, handoffs = self._step_on_masters(stored, leaves, None, state.applied_steps, extra_args)
+
+    # Called eagerly too, the step computes the jitted step's bits.
+    on_arrays, arrays = verdict.on_array_arguments(
+      step, (stored, leaves, state.applied_steps, extra_args, step_again)
+    )
+    new, handoffs = on_arrays(arrays)
     applied = jnp.stack(flags).any()
     per_param = [
       tree_lib.select_tree(*x) for x in zip(flags, new.per_param, stored.per_param, strict=True)

@@ -185,21 +185,7 @@ def run_if_finite(
     CPUs it is an output of the cond, so its uses after the cond do not each
     fuse a copy of the predicate (quadratic in the leaves).
   """
-  # Every array of `args` is an argument of one jitted step, never a constant:
-  # called eagerly, XLA folds constants in ways it never folds arguments
-  # (`c + (t - c)` to `t`), and an eager step would compute other bits than
-  # the same step under jit. Both forms call it with the same shapes, so the
-  # step (the inner rule) is traced once.
-  flat, treedef = jax.tree.flatten(args)
-  is_array = [isinstance(x, jax.Array | np.ndarray | np.generic) for x in flat]
-
-  @jax.jit
-  def on_arrays(state: Any, arrays: list[Any]) -> tuple[Any, Any]:
-    given = iter(arrays)
-    leaves = [next(given) if array else x for x, array in zip(flat, is_array, strict=True)]
-    return step(state, *jax.tree.unflatten(treedef, leaves))
-
-  arrays = [x for x, array in zip(flat, is_array, strict=True) if array]
+  on_arrays, arrays = on_array_arguments(step, args)
   return tree_lib.by_platform(
     finite,
     state,
@@ -207,6 +193,30 @@ def run_if_finite(
     cpu=functools.partial(_by_cond, on_arrays),
     accelerator=functools.partial(_by_select, on_arrays, select),
   )
+
+
+def on_array_arguments(
+  fn: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], list[Any]]:
+  """Returns ``(on_arrays, arrays)``: ``on_arrays(*leading, arrays)`` computes
+  ``fn(*leading, *args)`` as one jitted program with every array of ``args``
+  (pytrees) an argument, never a constant.
+
+  Called eagerly, XLA folds constants in ways it never folds arguments
+  (``c + (t - c)`` to ``t``), and an eager step would compute other bits than
+  the same step under jit; under an outer jit the call is inlined.
+  """
+  flat, treedef = jax.tree.flatten(args)
+  is_array = [isinstance(x, jax.Array | np.ndarray | np.generic) for x in flat]
+
+  @jax.jit
+  def on_arrays(*leading_and_arrays: Any) -> Any:
+    *leading, arrays = leading_and_arrays
+    given = iter(arrays)
+    leaves = [next(given) if array else x for x, array in zip(flat, is_array, strict=True)]
+    return fn(*leading, *jax.tree.unflatten(treedef, leaves))
+
+  return on_arrays, [x for x, array in zip(flat, is_array, strict=True) if array]
 
 
 def _by_cond(
