@@ -60,6 +60,32 @@ def finite_check_form(request):
     yield request.param
 
 
+@pytest.fixture(scope="session")
+def computed_once(tmp_path_factory):
+  """Returns ``computed_once(key, compute)``: ``compute()``'s result (JSON), computed
+  by the first xdist worker that asks and read back by the others, which wait
+  for it (idle) instead of computing it again beside it. For a result whose
+  tests xdist may hand to both workers, each of which would set up its own
+  module fixture."""
+  import fcntl
+  import json
+
+  if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing to share
+    return lambda key, compute: compute()
+  # Under xdist each worker's basetemp is a folder of this run's own.
+  shared = tmp_path_factory.getbasetemp().parent
+
+  def once(key: str, compute):
+    path = shared / f"computed_once-{key}.json"
+    with open(f"{path}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+      if not path.exists():
+        path.write_text(json.dumps(compute()))
+      return json.loads(path.read_text())
+
+  return once
+
+
 def pytest_collection_modifyitems(config, items):
   """A param of a ``floors`` test that is itself marked slow was slow before its
   test left the quick tier: it stays off the dependency floors (``.ci/run``),

@@ -12,7 +12,6 @@ same gradients.
 from __future__ import annotations
 
 import functools
-import itertools
 import zlib
 from typing import Any
 
@@ -176,20 +175,24 @@ def test_nnx_optimizer_on_flax_0_11_names_the_version_it_needs(monkeypatch):
     nnx.Optimizer(model, make_tx("full", "full"), wrt=nnx.Param)
 
 
-# Every masters x moments mode (-m slow); the dependency floors run remainder-8bit (masters
-# and 8-bit codes: the state nnx rewraps least like a plain tree); full
-# masters in nnx are test_flax's, stochastic masters and bfloat16 moments the
+# Each masters mode and each moments format once (-m slow): what nnx rewraps
+# is each state class, and a masters mode's class does not change with the
+# moments beside it. The dependency floors run remainder-8bit (masters and
+# 8-bit codes: the state nnx rewraps least like a plain tree); full masters
+# in nnx are also test_flax's, stochastic masters and bfloat16 moments the
 # equinox, orbax and linen tests'.
 NNX_FLOORS = (("remainder", "8bit"),)
+NNX_MODES = (("full", "bfloat16"), ("remainder", "8bit"), ("24bit", "8bit"), ("stochastic", "full"))
+
+
+def test_the_nnx_modes_hold_every_masters_mode_and_moments_format():
+  assert {m for m, _ in NNX_MODES} == set(MASTERS) and {n for _, n in NNX_MODES} == set(MOMENTS)
 
 
 @jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "mpx inside nnx.Optimizer")
 @pytest.mark.parametrize(
   ("masters", "moments"),
-  [
-    pytest.param(*mode, marks=() if mode in NNX_FLOORS else pytest.mark.slow)
-    for mode in itertools.product(MASTERS, MOMENTS)
-  ],
+  [pytest.param(*mode, marks=() if mode in NNX_FLOORS else pytest.mark.slow) for mode in NNX_MODES],
 )
 @pytest.mark.slow
 @pytest.mark.floors

@@ -139,9 +139,9 @@ def jitted_guarded_step(finite_check_form):
   return tx, jax.jit(tx.update)
 
 
-@pytest.mark.slow  # a compilation per random tree: about a minute
+@pytest.mark.slow  # a compilation per random tree: about half a minute a form
 @settings(
-  max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+  max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
   shapes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 5)), min_size=1, max_size=4),

@@ -276,13 +276,6 @@ def test_every_mode_shards_like_its_params(masters, moments):
         check_tree_map_params(tx, state, moments, mesh, param_shardings, shardings)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("masters, moments", MODES)
-def test_every_mode_trains_sharded_bitwise(masters, moments):
-  for layout, axis in slow_training((masters, moments)):
-    train_sharded(masters, moments, layout, axis)
-
-
 def test_every_layout_and_axis_is_trained_by_some_modes():
   trained = [pair for mode in MODES for pair in slow_training(mode)]
   assert {pair: trained.count(pair) for pair in TRAINING} == {
@@ -386,8 +379,9 @@ def check_boxed_layout(tx, params, state, layout):
 
 
 # Every mode's public functions take boxes in
-# test_every_mode_trains_through_linen_boxes_bitwise, which trains after the
-# same checks; this one runs them alone, without training, at the floors too.
+# test_every_mode_trains_sharded_and_through_linen_boxes_bitwise, which
+# trains after the same checks; this one runs them alone, without training,
+# at the floors too.
 @pytest.mark.parametrize("masters, moments", sorted(FLOORS_BOXES))
 @pytest.mark.slow
 @pytest.mark.floors
@@ -396,11 +390,15 @@ def test_every_public_function_takes_linen_boxes(masters, moments):
   check_boxed_layout(tx, params, state, "last")
 
 
+# One test a mode for both trainings: they share the one-device reference steps.
 @pytest.mark.slow
 @pytest.mark.parametrize("masters, moments", MODES)
-def test_every_mode_trains_through_linen_boxes_bitwise(masters, moments):
-  """Sharded by the boxes' names (on 8 devices or on 4 x 2, in turn over the
-  modes), two steps through the boxes give the one-device steps' bits."""
+def test_every_mode_trains_sharded_and_through_linen_boxes_bitwise(masters, moments):
+  """Placed by zero1_shardings in the mode's (layout, axis) pair, and sharded
+  by the boxes' names (on 8 devices or on 4 x 2, in turn over the modes), two
+  steps give the one-device steps' bits."""
+  for layout, axis in slow_training((masters, moments)):
+    train_sharded(masters, moments, layout, axis)
   for layout in [("last", "both")[MODES.index((masters, moments)) % 2]]:
     tx, params, state = check_public_functions_on_boxes(masters, moments, layout)
     check_boxed_layout(tx, params, state, layout)
