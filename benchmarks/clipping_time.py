@@ -2,11 +2,12 @@
 
 The demo-sized transformer (benchmarks/model.py) in bfloat16 under
 ``mixed_precision(adamw, masters="24bit", moments={"mu": "8bit", "nu":
-"4bit"})``; each step one jit of gradient, update and ``apply_updates``,
-params and state donated. Timed in turns (a round times every step once) on
-this machine, each step's median over the rounds relative to the step that
-clips in the inner rule (``optax.clip_by_global_norm``), measured in the same
-run. ``python benchmarks/clipping_time.py [--rounds 30 --batch 8]``.
+"4bit"})``, and unclipped with ``skip="leaf"`` beside the default; each
+step one jit of gradient, update and ``apply_updates``, params and state
+donated. Timed in turns (a round times every step once) on this machine,
+each step's median over the rounds relative to the step that clips in the
+inner rule (``optax.clip_by_global_norm``), measured in the same run.
+``python benchmarks/clipping_time.py [--rounds 30 --batch 8]``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def steps() -> dict[str, tuple[optax.GradientTransformation, bool]]:
   """Each step's transformation and whether it takes ``mpx.clipped_grad``'s gradients."""
   return {
     "unclipped": (_tx(), False),
+    "unclipped, skip=leaf": (_tx(skip="leaf"), False),
     BASELINE: (_tx(optax.clip_by_global_norm(MAX_NORM)), False),
     "mpx.clipped_grad, skip=leaf": (_tx(skip="leaf"), True),
     "clip_by_block_rms in the rule, skip=leaf": (

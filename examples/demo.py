@@ -74,10 +74,14 @@ exits with status 1 unless every mpx row ends at most its tolerance above
 the FP32 validation loss (1%; 2% for the two stochastic rounding rows) and
 ``bf16 no masters`` ends more than 2% above it (``--tolerance`` and
 ``--min-gap`` override the bounds). With ``--smoke`` (too small to mean
-anything about losses) nothing is checked. ``--rows`` trains only some rows,
-and ``--json`` writes the run's numbers for scripts
-(``benchmarks/demo_matrix.py``). Where XLA cannot compile float16 (x86 CPUs
-without F16C, from before 2012) the fp16 row is skipped, with a note.
+anything about losses) nothing is checked. ``--rows`` trains only some rows;
+``--skip leaf`` trains the bf16 mpx rows with ``skip="leaf"`` (each leaf
+updated as its gradient arrives; where no gradient is non-finite, the
+default step's losses to the last bit under
+``XLA_FLAGS=--xla_allow_excess_precision=false``, tests/test_demo.py);
+``--json`` writes the run's numbers for scripts (``benchmarks/demo_matrix.py``).
+Where XLA cannot compile float16 (x86 CPUs without F16C, from before 2012)
+the fp16 row is skipped, with a note.
 
 How the bounds and the settings were chosen. The losses depend on the machine:
 XLA:CPU picks its kernels, vectorisation and fused multiply-adds by the CPU's
@@ -177,6 +181,7 @@ class Settings:
   growth_interval: int
   fp32_norms: bool
   seed: int
+  skip: str = "step"  # mixed_precision's skip= in the rows without a loss scale
 
 
 # --- The rows: the only row-specific code ------------------------------------------
@@ -227,24 +232,28 @@ ACCUMULATED = 4  # micro-batches a step in the accumulation row
 # The compressed moments keep the bound of their masters' mode.
 ROWS = (
   Row("fp32", jnp.float32, lambda adamw, s: adamw, masters=False),
-  Row("bf16+mpx", BF16, lambda adamw, s: mpx.mixed_precision(adamw), tolerance=0.01),
+  Row("bf16+mpx", BF16, lambda adamw, s: mpx.mixed_precision(adamw, skip=s.skip), tolerance=0.01),
   Row(
     "bf16 stochastic",
     BF16,
-    lambda adamw, s: mpx.mixed_precision(adamw, masters="stochastic", seed=s.seed),
+    lambda adamw, s: mpx.mixed_precision(adamw, masters="stochastic", seed=s.seed, skip=s.skip),
     tolerance=0.02,
     masters=False,
   ),
   Row(
     "bf16 remainder + 8bit moments",
     BF16,
-    lambda adamw, s: mpx.mixed_precision(adamw, masters="remainder", moments="8bit", seed=s.seed),
+    lambda adamw, s: mpx.mixed_precision(
+      adamw, masters="remainder", moments="8bit", seed=s.seed, skip=s.skip
+    ),
     tolerance=0.01,
   ),
   Row(
     "bf16 24bit + 4bit moments",
     BF16,
-    lambda adamw, s: mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed),
+    lambda adamw, s: mpx.mixed_precision(
+      adamw, masters="24bit", moments="4bit", seed=s.seed, skip=s.skip
+    ),
     tolerance=0.01,
     rounded_masters=True,
   ),
@@ -252,7 +261,7 @@ ROWS = (
     "bf16 24bit + 4bit accumulate 4",
     BF16,
     lambda adamw, s: mpx.accumulate(
-      mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed),
+      mpx.mixed_precision(adamw, masters="24bit", moments="4bit", seed=s.seed, skip=s.skip),
       math.gcd(ACCUMULATED, s.batch),  # as one_step splits the batch
       accumulator="bfloat16",
     ),
@@ -263,7 +272,9 @@ ROWS = (
   Row(
     "bf16 stochastic + 4bit moments",
     BF16,
-    lambda adamw, s: mpx.mixed_precision(adamw, masters="stochastic", moments="4bit", seed=s.seed),
+    lambda adamw, s: mpx.mixed_precision(
+      adamw, masters="stochastic", moments="4bit", seed=s.seed, skip=s.skip
+    ),
     tolerance=0.02,
     masters=False,
   ),
@@ -762,6 +773,13 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
   )
   parser.add_argument("--seed", type=int, default=0, help="init and batch seed (0)")
   parser.add_argument(
+    "--skip",
+    choices=("step", "leaf"),
+    default="step",
+    help="mixed_precision's skip= in the bf16 rows (step); leaf: each leaf updated as its "
+    "gradient arrives, skipped alone if non-finite (the fp16 row keeps step: loss_scale)",
+  )
+  parser.add_argument(
     "--out",
     type=pathlib.Path,
     default=pathlib.Path("demo_results/demo.png"),
@@ -837,6 +855,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     growth_interval=args.growth_interval,
     fp32_norms=args.fp32_norms,
     seed=args.seed,
+    skip=args.skip,
   )
   return settings, args
 
@@ -878,6 +897,7 @@ def run(settings: Settings, args: argparse.Namespace) -> Run:
     f"{cfg.layers}-layer transformer, width {cfg.width}, {cfg.heads} heads, "
     f"context {cfg.context}, {lm.count_params(fp32_params):,} params; "
     f"{settings.opt.steps} steps x {settings.batch} sequences"
+    + ("" if settings.skip == "step" else f"; skip={settings.skip!r}")
   )
   print(
     f"{title}\nbyte-level LM on {train_bytes.size:,} train / {valid_bytes.size:,} validation "

@@ -11,16 +11,19 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def run_example(
-  script: str, *args: str, smoke: bool = True, timeout: int = 600
+  script: str, *args: str, smoke: bool = True, timeout: int = 600, xla_flags: str = ""
 ) -> subprocess.CompletedProcess[str]:
   """Runs ``examples/<script>`` in a subprocess from the repository root.
 
   Without the test suite's 8 host devices (conftest.py) and, unless ``smoke``,
-  without ``MPX_SMOKE``: the environment a user runs it in.
+  without ``MPX_SMOKE``: the environment a user runs it in, with ``XLA_FLAGS``
+  set to ``xla_flags`` where given.
   """
   env = {k: v for k, v in os.environ.items() if k not in ("MPX_SMOKE", "XLA_FLAGS")}
   if smoke:
     env["MPX_SMOKE"] = "1"
+  if xla_flags:
+    env["XLA_FLAGS"] = xla_flags
   return subprocess.run(
     [sys.executable, str(EXAMPLES / script), *args],
     cwd=EXAMPLES.parent,

@@ -519,9 +519,10 @@ def test_clipping_time_prints_each_step_relative_to_clipping_in_the_rule():
   names = [cells[0].strip() for cells in rows[1:]]
   assert names == [
     "unclipped",
+    "unclipped, skip=leaf",
     "clip_by_global_norm in the rule",
     "mpx.clipped_grad, skip=leaf",
     "clip_by_block_rms in the rule, skip=leaf",
   ], stdout
-  assert rows[2][2].strip() == "1.00", stdout
+  assert rows[3][2].strip() == "1.00", stdout
   assert all(float(cells[1]) > 0 for cells in rows[1:]), stdout
