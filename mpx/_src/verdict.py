@@ -185,6 +185,8 @@ def run_if_finite(
     CPUs it is an output of the cond, so its uses after the cond do not each
     fuse a copy of the predicate (quadratic in the leaves).
   """
+  # Both forms call the one jitted step with the same shapes: the step (the
+  # inner rule) is traced once.
   on_arrays, arrays = on_array_arguments(step, args)
   return tree_lib.by_platform(
     finite,
