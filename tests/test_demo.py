@@ -102,37 +102,43 @@ def test_smoke_table_rows(smoke):
 
 
 def test_one_after_another_and_by_leaf_the_rows_compute_the_same_bits(tmp_path):
-  # Two smoke runs of three rows (FP32, a masters and moments mode, and one
-  # that accumulates): the first side by side (as many at a time as the CPU
-  # has cores) with the default whole-step skip, the second one after another
-  # (--jobs 1; on one core, --jobs 2 side by side) with skip="leaf" (--skip
-  # leaf). No gradient is non-finite, so the verdicts agree, and the
-  # arithmetic is the same: every loss must be the same to the last bit.
-  # Without excess precision: by default XLA computes a fusion's chain of
-  # bfloat16 operations in float32, rounding only its outputs, and the two
-  # steps fuse the model's backward pass otherwise (their losses then differ
-  # by about 4e-5 relative after the 40 steps).
+  # Two smoke runs of four rows (FP32, a masters and moments mode, one that
+  # accumulates, and the loss-scaled row, which keeps skip="step"): the first
+  # side by side (as many at a time as the CPU has cores) with the default
+  # whole-step skip, the second one after another (--jobs 1; on one core,
+  # --jobs 2 side by side) with skip="leaf" (--skip leaf). No bf16 gradient
+  # is non-finite, so the verdicts agree, and the arithmetic is the same:
+  # every loss and count must be the same to the last bit. Without excess
+  # precision: by default XLA computes a fusion's chain of bfloat16
+  # operations in float32, rounding only its outputs, and the two steps fuse
+  # the model's backward pass otherwise (their losses then differ by about
+  # 4e-5 relative after the 40 steps).
   jobs = "1" if (os.cpu_count() or 1) > 1 else "2"
-  rows = ("fp32", "bf16 remainder + 8bit moments", "bf16 24bit + 4bit accumulate 4")
-  records = {}
+  rows = (
+    "fp32",
+    "bf16 remainder + 8bit moments",
+    "bf16 24bit + 4bit accumulate 4",
+    "fp16+mpx+scale",
+  )
+  records, tables = {}, {}
   for name, flags in [("by step", ()), ("by leaf", ("--jobs", jobs, "--skip", "leaf"))]:
-    records[name] = tmp_path / f"{name}.json"
+    path = tmp_path / f"{name}.json"
     result = run_demo(
       *flags,
-      *("--rows", ",".join(rows), "--json", str(records[name])),
-      *("--out", str(tmp_path / f"{name}.png")),
+      *("--rows", ",".join(rows), "--json", str(path), "--out", str(tmp_path / f"{name}.png")),
       smoke=True,
       xla_flags="--xla_allow_excess_precision=false",
     )
     assert result.returncode == 0, result.stdout + result.stderr
-  by_step, by_leaf = (
-    [r for r in json.loads(path.read_text())["rows"]] for path in records.values()
-  )
+    records[name], tables[name] = json.loads(path.read_text()), table_rows(result.stdout)
+  assert records["by leaf"]["settings"]["skip"] == "leaf"
+  by_step, by_leaf = records["by step"]["rows"], records["by leaf"]["rows"]
   assert [r["mode"] for r in by_step] == [r["mode"] for r in by_leaf] == list(rows)
-  assert json.loads(records["by leaf"].read_text())["settings"]["skip"] == "leaf"
   for step_row, leaf_row in zip(by_step, by_leaf, strict=True):
     for key in ("param_dtype", "train_loss", "val_loss", "state_bytes_per_param", "skipped_steps"):
       assert leaf_row[key] == step_row[key], (step_row["mode"], key)
+  # The loss scale is printed, not recorded.
+  assert tables["by leaf"]["fp16+mpx+scale"][SCALE] == tables["by step"]["fp16+mpx+scale"][SCALE]
 
 
 def test_smoke_optimizer_state_bytes_per_param(smoke):
