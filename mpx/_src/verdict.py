@@ -228,15 +228,13 @@ def _by_cond(
   # zeros_like keeps the sharding they record, as cond requires of both
   # branches on explicit meshes.
   outputs_like = jax.eval_shape(step, state, arrays)[1]
-
-  def apply(state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
-    return *step(state, arrays), jnp.asarray(True)
-
-  def skip(state: Any, arrays: list[Any]) -> tuple[Any, Any, jax.Array]:
-    del arrays
-    return state, jax.tree.map(jnp.zeros_like, outputs_like), jnp.asarray(False)
-
-  return jax.lax.cond(finite, apply, skip, state, arrays)
+  return jax.lax.cond(
+    finite,
+    lambda state, arrays: (*step(state, arrays), jnp.asarray(True)),
+    lambda state, _: (state, jax.tree.map(jnp.zeros_like, outputs_like), jnp.asarray(False)),
+    state,
+    arrays,
+  )
 
 
 def _by_select(
