@@ -35,6 +35,8 @@ from benchmarks.gpu_hlo import profile  # noqa: E402
 from benchmarks.gpu_variants import mode_name, topology  # noqa: E402
 
 K = 4  # micro-batches per window in the accumulation rows
+# The moments of the rows ``--4bit-only`` keeps: those with a 4-bit moment.
+FOUR_BIT: tuple[str | dict[str, str], ...] = ("4bit", {"mu": "8bit", "nu": "4bit"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +144,7 @@ class Step(NamedTuple):
 
 def rows(every_mode: bool = True) -> list[Step]:
   """The steps compared: optax's beside mpx's (every masters x moments mode,
-  or with ``every_mode=False`` the 4-bit ones; each with ``skip="step"``, the
+  or with ``every_mode=False`` those with a 4-bit moment; each with ``skip="step"``, the
   default, and ``skip="leaf"``); clipping by the global norm in one pass
   (optax's) and in two (``mpx.clipped_grad``), and by each leaf's RMS
   (``optax.clip_by_block_rms``); and accumulation, by ``optax.MultiSteps``
@@ -155,10 +157,10 @@ def rows(every_mode: bool = True) -> list[Step]:
 
   steps = [Step("optax adamw", lambda: optax.adamw(1e-3))]
   for masters in SWEEP_MASTERS:
-    for moments in SWEEP_MOMENTS if every_mode else ("4bit",):
+    for moments in SWEEP_MOMENTS if every_mode else FOUR_BIT:
       steps.append(Step(mode_name(masters, moments), mp(masters, moments)))
   for masters in SWEEP_MASTERS:
-    for moments in SWEEP_MOMENTS if every_mode else ("4bit",):
+    for moments in SWEEP_MOMENTS if every_mode else FOUR_BIT:
       steps.append(
         Step(f"{mode_name(masters, moments)}, skip=leaf", mp(masters, moments, skip="leaf"))
       )

@@ -100,11 +100,10 @@ def maxima_by_leaf(
     jax.lax.optimization_barrier(x) if isinstance(x, jax.Array | np.ndarray) else x for x in flat
   ]
   new, _ = inner_step(*jax.tree.unflatten(treedef, flat))
-  kinds = moments_format.kinds(new.inner)
-  return [
-    kind.maxima(value) if isinstance(kind, BlockScaledKind) else None
-    for kind, value in zip(kinds, jax.tree.leaves(new.inner), strict=True)
-  ]
+  # Each param's moments reduced together, as without skip="leaf" but with
+  # no gradient: apart, XLA:GPU reads the old codes and the gradient once
+  # for each moment whose blocks differ in size (4 bits: 64 signed, 128).
+  return block_maxima(moments_format, new.inner, {})[0]
 
 
 def block_maxima(
@@ -115,15 +114,15 @@ def block_maxima(
   which of ``grads`` were read.
 
   ``grads`` are the gradients as the inner rule received them, by the path
-  of their leaf (``jax.tree_util.keystr``). A moment whose path below its
-  field is a gradient's, of its shape, is reduced with that gradient's
-  other moments and its finiteness in one variadic reduction, at the
-  smallest block size among them (a larger block's maxima are those of its
-  smaller blocks): one kernel reads the old codes and the gradient once,
-  where a reduction per moment would read the gradient once more each and
-  leave XLA:GPU's cost model to decide whether to write the new moment out
-  (docs/design.md). A moment whose blocks do not tile its last axis is
-  reduced alone (:meth:`BlockScaledKind.maxima`).
+  of their leaf (``jax.tree_util.keystr``). The moments whose path below
+  their field is one param's (and a gradient's there, of their shape) are
+  reduced together, with that gradient's finiteness, in one variadic
+  reduction at the smallest block size among them (a larger block's maxima
+  are those of its smaller blocks): one kernel reads the old codes and the
+  gradient once, where a reduction per moment would read the gradient once
+  more each and leave XLA:GPU's cost model to decide whether to write the
+  new moment out (docs/design.md). A moment whose blocks do not tile its
+  last axis is reduced alone (:meth:`BlockScaledKind.maxima`).
   """
   flat = jax.tree_util.tree_flatten_with_path(new_inner)[0]
   values = [value for _, value in flat]
@@ -140,7 +139,7 @@ def block_maxima(
     below = jax.tree_util.keystr(tuple(keys[at[-1] + 1 :])) if at else None
     size = kind.block_size(value.shape)
     grad = None if below is None else grads.get(below)
-    if below is None or grad is None or np.shape(grad) != value.shape or size is None:
+    if below is None or size is None or (grad is not None and np.shape(grad) != value.shape):
       scales[index] = kind.maxima(value)
     else:
       groups.setdefault(below, []).append((index, kind, size))
@@ -151,19 +150,23 @@ def block_maxima(
     for i, kind, size in members:
       if size % small:
         scales[i] = kind.maxima(values[i])
-    grad = jnp.asarray(grads[path], jnp.float32)
-    # 1 where the gradient is not finite: a max of these is 0 exactly when
-    # every element is finite, whatever the max does with a NaN. A byte, not
-    # a float32: the reduction writes one a block, scratch until the verdict.
-    flag = jnp.logical_not(jnp.isfinite(grad)).astype(jnp.uint8)
     # One variadic reduction over the blocks of ``small`` (each operand's
     # largest element per block, at least 0), so that XLA emits one kernel
     # reading each operand's producers (a moment's old codes, its gradient) once.
-    operands = [*(kind.magnitude(values[i]) for i, kind, _ in joint), flag]
+    operands = [kind.magnitude(values[i]) for i, kind, _ in joint]
+    if path in grads:
+      grad = jnp.asarray(grads[path], jnp.float32)
+      # 1 where the gradient is not finite: a max of these is 0 exactly when
+      # every element is finite, whatever the max does with a NaN. A byte, not
+      # a float32: the reduction writes one a block, scratch until the verdict.
+      operands.append(jnp.logical_not(jnp.isfinite(grad)).astype(jnp.uint8))
     *lead, width = operands[0].shape
     blocked = tuple(x.reshape((*lead, width // small, small)) for x in operands)
     zeros = tuple(np.zeros((), x.dtype) for x in blocked)
-    *maxima, flags = jax.lax.reduce(blocked, zeros, tree_lib.elementwise_max, (len(lead) + 1,))
+    maxima = jax.lax.reduce(blocked, zeros, tree_lib.elementwise_max, (len(lead) + 1,))
+    if path in grads:
+      *maxima, flags = maxima
+      finite.append(jax.lax.eq(jnp.max(flags), np.uint8(0)))
     for (i, _, size), block_max in zip(joint, maxima, strict=True):
       # A block ``size // small`` times as long: the largest of its small blocks' maxima.
       factor = size // small
@@ -171,12 +174,11 @@ def block_maxima(
         grouped = block_max.reshape((*lead, width // size, factor))
         block_max = jax.lax.reduce(grouped, np.float32(0), jax.lax.max, (len(lead) + 1,))
       scales[i] = block_max
-    finite.append(jax.lax.eq(jnp.max(flags), np.uint8(0)))
   all_finite = jnp.asarray(True)
   if finite:
     # Behind a barrier, as verdict._all stacks per-leaf flags: one kernel tests them.
     all_finite = jax.lax.optimization_barrier(jnp.stack(finite)).all()
-  return scales, all_finite, set(groups)
+  return scales, all_finite, {path for path in groups if path in grads}
 
 
 def kept(applied: jax.Array, new: Any, old: Any) -> Any:
