@@ -1,48 +1,47 @@
-"""How far Adam with 4-bit moments strays from float32 Adam, fed one heavy-tailed
-gradient stream: mpx's 8-bit and 4-bit codes (mpx/_src/moment_codes.py),
+"""How far Adam with 4-bit moments strays from float32 Adam, fed heavy-tailed
+gradient streams: mpx's 8-bit and 4-bit codes (mpx/_src/moment_codes.py),
 per-field mixes, and torchao's ``AdamW4bit`` (docs/moment_codes.md, "4 bits").
 
-The stream: Student t (``--df`` degrees of freedom, 2.5 by default) times a
-scale per row, log-uniform over 1e-3 .. 1, shape ``--shape`` (512x1024), for
-``--steps`` (200) steps, written once to ``stream.npy`` under ``--workdir``.
-Every format runs Adam (b1 0.9, b2 0.999, eps 1e-8) on it: optax's
-``scale_by_adam`` for float32, and, for a compressed format, decode, one
-float32 ``scale_by_adam`` update, encode, as ``mixed_precision`` runs it.
-torchao's ``AdamW4bit`` (lr 1, no weight decay, its parameter zeroed before
-each step, so that it holds minus the update afterwards) runs in a subprocess
-of ``--torch-python`` (a Python with torch and torchao), which reads the same
-``stream.npy``; this process needs no torch. Without that Python its row is
-left out.
+Each stream: Student t (``--df`` degrees of freedom, a comma-separated list:
+1.5, 2.5, 5 and 30 by default) times a scale per row, log-uniform over 1e-3
+.. 1, shape ``--shape`` (512x1024), for ``--steps`` (200) steps, written once
+to ``stream.npy`` under ``--workdir``. Every format runs Adam (b1 0.9, b2
+0.999, eps 1e-8) on it: optax's ``scale_by_adam`` for float32, and, for a
+compressed format, decode, one float32 ``scale_by_adam`` update, encode, as
+``mixed_precision`` runs it. torchao's ``AdamW4bit`` (lr 1, no weight decay,
+its parameter zeroed before each step, so that it holds minus the update
+afterwards) runs in a subprocess of ``--torch-python`` (a Python with torch
+and torchao), which reads the same ``stream.npy``; this process needs no
+torch. Without that Python its row is left out.
 
-The formats: mpx's 8-bit code (stochastic rounding, as ``moments="8bit"``);
-mpx's 4-bit code (block maxima only for both moments, no column scales) with
-``mu`` rounded to nearest and ``nu`` stochastically (the rounding each moment
-measured best with), with both stochastic, both to nearest, and with ``nu`` on
-the paper's linear map ``k / 15`` (in the same blocks); 8-bit ``mu`` with 4-bit
-``nu``; each 4-bit moment alone with the other in float32; torchao.
+The formats: mpx's 8-bit and 4-bit codes (as ``moments="8bit"`` and
+``"4bit"`` store them), the 4-bit ``nu`` on the paper's linear map ``k /
+15`` instead (in the same blocks), 8-bit ``mu`` with 4-bit ``nu``, each 4-bit
+moment alone with the other in float32, and torchao.
 
-Printed per format, after the last step: the relative error (``|c - f|_2 /
-|f|_2``) of the stored ``mu`` and ``nu`` against float32 Adam's; ``nu bias``,
-the mean of ``nu / float32 nu``; the cosine and the relative error of Adam's
-direction from the stored moments, ``mu_hat / (sqrt(nu_hat) + eps)``, and
-of the update the last step emitted; how many positive float32 ``nu`` the
-format stored as zero, at the end and summed over the steps; and the bytes
-per element of ``mu`` and ``nu`` together. Then the direction and update
-errors as ratios to torchao's and to mpx's 8-bit.
+Printed per stream and format, after the last step: the relative error (``|c
+- f|_2 / |f|_2``) of the stored ``mu`` and ``nu`` against float32 Adam's;
+``nu bias``, the mean of ``nu / float32 nu``; the cosine and the relative
+error of Adam's direction from the stored moments, ``mu_hat / (sqrt(nu_hat)
++ eps)``, and of the update the last step emitted; how many positive float32
+``nu`` the format stored as zero, at the end and summed over the steps; and
+the bytes per element of ``mu`` and ``nu`` together. Then the direction and
+update errors as ratios to torchao's and to mpx's 8-bit, and a summary of
+every stream.
 
-Measured (jax 0.10.2, torch 2.14.1, torchao 0.18.0, 2-core CPU, defaults):
-direction error 0.476 for mpx's 4-bit (1.06 bytes an element for both
-moments), 0.528 for torchao's AdamW4bit (1.06), 0.213 for 8-bit ``mu`` with
-4-bit ``nu`` (1.55), 0.085 for 8 bits (2.03); 4-bit ``mu`` alone 0.427,
-4-bit ``nu`` alone 0.206 (0.296 on the linear map); no format stored a
-positive ``nu`` as zero.
+Measured (jax 0.10.2, torch 2.14.1, torchao 0.18.0, 2-core CPU, defaults),
+direction error on t(1.5), t(2.5), t(5), t(30): mpx's 4-bit (1.06 bytes an
+element for both moments) 0.754, 0.642, 0.550, 0.535; torchao's AdamW4bit
+(1.06) 0.766, 0.527, 0.551, 0.354; 8-bit ``mu`` with 4-bit ``nu`` (1.55)
+0.365, 0.244, 0.253, 0.252; 8 bits (2.03) 0.085, 0.084, 0.060, 0.047. No
+format stored a positive ``nu`` as zero.
 
-Run: ``.venv/bin/python benchmarks/moment_codes_4bit_error.py [--steps 200]
-[--shape 512x1024] [--torch-python /path/to/python]``; about a minute and a
-half on 2 cores, 45 s of it torchao's 200 steps (torch.compile's first among
-them). For torchao, make a virtual environment with ``pip install torch
-torchao numpy`` (PyPI's torch runs on the CPU) and pass its Python, or set
-``MPX_TORCH_PYTHON``.
+Run: ``.venv/bin/python benchmarks/moment_codes_4bit_error.py [--df 2.5]
+[--steps 200] [--shape 512x1024] [--torch-python /path/to/python]``; about
+two minutes a stream on 2 cores, half of it torchao's 200 steps
+(torch.compile's first among them). For torchao, make a virtual environment
+with ``pip install torch torchao numpy`` (PyPI's torch runs on the CPU) and
+pass its Python, or set ``MPX_TORCH_PYTHON``.
 """
 
 from __future__ import annotations
@@ -94,22 +93,17 @@ Decode = Callable[[Any], Array]
 
 
 def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
-  """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"``, or
-  ``"4bit linear"`` (the 4-bit nonnegative blocks on the paper's map, k / 15).
-  mpx's codes round stochastically; the others, and mpx's levels to nearest,
-  code by a table of levels (``moment_codes_error.coder``)."""
+  """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"`` (mpx's
+  kind, as ``moments="4bit"`` codes it), or ``"4bit linear"`` (the 4-bit
+  nonnegative blocks on the paper's map, k / 15, by a table of levels:
+  ``moment_codes_error.coder``)."""
   if name == "f32":
     return (lambda x, key, step: x), (lambda s: s)
   if name == "8bit":
     return table_coder(None, sign, stochastic)
-  if name == "4bit" and stochastic:
+  if name == "4bit":
     kind = mc.FourBitCompressed(0, sign)
     return (lambda x, key, step: kind.compress(x, step, key)), kind.decompress
-  if name == "4bit":
-    signed = np.concatenate([-mc.SIGNED_LEVELS_4BIT[:0:-1], mc.SIGNED_LEVELS_4BIT])
-    return table_coder(
-      signed if sign == "signed" else mc.NONNEGATIVE_LEVELS_4BIT, sign, False, True
-    )
   if name == "4bit linear" and sign == "nonnegative":
     return table_coder(np.arange(16) / np.float32(15), sign, stochastic, True)
   raise ValueError(name)
@@ -145,16 +139,15 @@ class Format:
 
 
 FORMATS = (
-  Format("mpx 8bit (stochastic)", ("8bit", STOCHASTIC), ("8bit", STOCHASTIC)),
-  Format("mpx 4bit: mu nearest, nu stoch.", ("4bit", NEAREST), ("4bit", STOCHASTIC)),
-  Format("mpx 4bit, both stochastic", ("4bit", STOCHASTIC), ("4bit", STOCHASTIC)),
-  Format("mpx 4bit, both nearest", ("4bit", NEAREST), ("4bit", NEAREST)),
-  Format("mpx 4bit, nu linear k/15", ("4bit", NEAREST), ("4bit linear", STOCHASTIC)),
+  Format("mpx 8bit", ("8bit", STOCHASTIC), ("8bit", STOCHASTIC)),
+  Format("mpx 4bit", ("4bit", STOCHASTIC), ("4bit", STOCHASTIC)),
+  Format("mpx 4bit, nu linear k/15", ("4bit", STOCHASTIC), ("4bit linear", STOCHASTIC)),
   Format("mpx 8bit mu + 4bit nu", ("8bit", STOCHASTIC), ("4bit", STOCHASTIC)),
-  Format("mpx 4bit mu (nearest), f32 nu", ("4bit", NEAREST), ("f32", NEAREST)),
-  Format("mpx f32 mu, 4bit nu (stoch.)", ("f32", NEAREST), ("4bit", STOCHASTIC)),
-  Format("mpx f32 mu, 4bit nu linear", ("f32", NEAREST), ("4bit linear", STOCHASTIC)),
+  Format("mpx 4bit mu, f32 nu", ("4bit", STOCHASTIC), ("f32", NEAREST)),
+  Format("mpx f32 mu, 4bit nu", ("f32", NEAREST), ("4bit", STOCHASTIC)),
 )
+# The rows of the summary over the streams.
+SUMMARY = ("mpx 8bit", "mpx 4bit", "mpx 8bit mu + 4bit nu", "torchao AdamW4bit")
 
 
 def run_jax(stream: np.ndarray, formats: tuple[Format, ...]) -> dict[str, dict[str, Any]]:
@@ -296,37 +289,27 @@ def metrics(run: dict[str, Any], ref: dict[str, Any], steps: int) -> dict[str, f
   }
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=200)
-  parser.add_argument("--shape", default="512x1024")
-  parser.add_argument("--df", type=float, default=2.5)
-  parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "mpx_4bit_error"))
-  parser.add_argument(
-    "--torch-python",
-    default=os.environ.get("MPX_TORCH_PYTHON", ""),
-    help="a Python with torch and torchao (default: $MPX_TORCH_PYTHON); none: no torchao",
-  )
-  args = parser.parse_args()
+def one_stream(args: argparse.Namespace, df: float) -> dict[str, tuple[float, dict[str, float]]]:
+  """Runs every format (and torchao) on the stream of ``df`` degrees of freedom;
+  prints its tables and returns its rows."""
   shape = tuple(int(s) for s in args.shape.split("x"))
   assert len(shape) == 2
-  os.makedirs(args.workdir, exist_ok=True)
-  stream_path = os.path.join(args.workdir, "stream.npy")
+  workdir = os.path.join(args.workdir, f"df{df:g}")
+  os.makedirs(workdir, exist_ok=True)
+  stream_path = os.path.join(workdir, "stream.npy")
   start = time.time()
-  write_stream(stream_path, (shape[0], shape[1]), args.steps, args.df)
+  write_stream(stream_path, (shape[0], shape[1]), args.steps, df)
   print(
-    f"jax {jax.__version__}, {jax.devices()[0].platform}; stream {shape} x {args.steps} "
-    f"steps, Student t ({args.df} dof), row scales 1e-3 .. 1 ({time.time() - start:.0f} s)"
+    f"\n# Stream: {shape} x {args.steps} steps, Student t ({df:g} dof), row scales "
+    f"1e-3 .. 1 ({time.time() - start:.0f} s)"
   )
   stream = np.load(stream_path, mmap_mode="r")
 
   torch_result: dict[str, Any] | None = None
   if args.torch_python and os.path.exists(args.torch_python):
     start = time.time()
-    torch_result = run_torchao(args.torch_python, stream_path, args.workdir)
+    torch_result = run_torchao(args.torch_python, stream_path, workdir)
     print(f"torchao subprocess: {time.time() - start:.0f} s", file=sys.stderr)
-  else:
-    print(f"no Python at {args.torch_python!r}: torchao's AdamW4bit left out", file=sys.stderr)
 
   start = time.time()
   runs = run_jax(stream, FORMATS)
@@ -351,8 +334,8 @@ def main() -> None:
     print(f"| {label:31} | {nbytes:>6.3f} | " + " | ".join(cells) + " |")
 
   print("\n## Ratios: direction and update error over torchao AdamW4bit's and over mpx 8bit's\n")
-  bases = [b for b in ("torchao AdamW4bit", "mpx 8bit (stochastic)") if b in rows]
-  short = {"torchao AdamW4bit": "torchao", "mpx 8bit (stochastic)": "mpx 8bit"}
+  bases = [b for b in ("torchao AdamW4bit", "mpx 8bit") if b in rows]
+  short = {"torchao AdamW4bit": "torchao", "mpx 8bit": "mpx 8bit"}
   head = [f"{what} / {short[b]}" for b in bases for what in ("dir", "upd")]
   print(f"| {'format':31} | {'bytes / f32':>11} | " + " | ".join(f"{h:>17}" for h in head) + " |")
   print(f"|:{'-' * 31}-|{'-' * 12}:|" + "|".join("-" * 18 + ":" for _ in head) + "|")
@@ -361,6 +344,40 @@ def main() -> None:
     print(
       f"| {label:31} | {nbytes / 8:>11.3f} | " + " | ".join(f"{r:>17.3f}" for r in ratios) + " |"
     )
+  return rows
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--shape", default="512x1024")
+  parser.add_argument("--df", default="1.5,2.5,5,30", help="the streams' degrees of freedom")
+  parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "mpx_4bit_error"))
+  parser.add_argument(
+    "--torch-python",
+    default=os.environ.get("MPX_TORCH_PYTHON", ""),
+    help="a Python with torch and torchao (default: $MPX_TORCH_PYTHON); none: no torchao",
+  )
+  args = parser.parse_args()
+  print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
+  if not (args.torch_python and os.path.exists(args.torch_python)):
+    print(f"no Python at {args.torch_python!r}: torchao's AdamW4bit left out", file=sys.stderr)
+  streams = [float(df) for df in args.df.split(",")]
+  results = {df: one_stream(args, df) for df in streams}
+
+  print("\n## Every stream: Adam's direction error (nu mean ratio) after the last step\n")
+  head = [f"t({df:g})" for df in streams]
+  print(f"| {'format':24} | {'B/el':>6} | " + " | ".join(f"{h:>15}" for h in head) + " |")
+  print(f"|:{'-' * 24}-|{'-' * 7}:|" + "|".join("-" * 16 + ":" for _ in head) + "|")
+  for label in SUMMARY:
+    if label not in results[streams[0]]:
+      continue
+    cells = [
+      f"{results[df][label][1]['dir err']:.3f} ({results[df][label][1]['nu bias']:.3f})"
+      for df in streams
+    ]
+    nbytes = results[streams[0]][label][0]
+    print(f"| {label:24} | {nbytes:>6.3f} | " + " | ".join(f"{c:>15}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

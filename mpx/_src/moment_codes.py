@@ -194,10 +194,12 @@ class _Code(NamedTuple):
   layout: tuple[tuple[int, int, int], ...]
 
 
-def _float_code(signed: bool, regions: tuple[tuple[int, int], ...]) -> _Code:
-  """Lays out the 127 (signed) or 255 nonzero levels counted down from 1.0 over
-  ``regions`` of ``(octaves, mantissa bits)``, the last taking the levels left."""
-  upper_bits, upper_code = _ONE_BITS, 127 if signed else 255
+def _float_code(signed: bool, regions: tuple[tuple[int, int], ...], top: int = 0) -> _Code:
+  """Lays out ``top`` nonzero levels (by default 127 signed, 255 nonnegative:
+  8 bits) counted down from 1.0 over ``regions`` of ``(octaves, mantissa
+  bits)``, the last taking the levels left."""
+  top = top or (127 if signed else 255)
+  upper_bits, upper_code = _ONE_BITS, top
   layout = []
   for i, (octaves, mantissa) in enumerate(regions):
     shift = 23 - mantissa
@@ -205,7 +207,7 @@ def _float_code(signed: bool, regions: tuple[tuple[int, int], ...]) -> _Code:
     upper_bits, upper_code = upper_bits - (n_levels << shift), upper_code - n_levels
     layout.append((upper_bits, upper_code, shift))
   if upper_code != 1 or upper_bits <= 0x00800000:
-    raise ValueError(f"regions {regions} leave no room for {127 if signed else 255} levels")
+    raise ValueError(f"regions {regions} leave no room for {top} levels")
   return _Code(signed, tuple(layout))
 
 
@@ -243,40 +245,94 @@ def level_table(sign: Sign, code: _Code | None = None) -> np.ndarray:
 _LEVEL_TABLES = {sign: level_table(sign) for sign in SIGNS}
 
 
+def _float_level(bits: jax.Array, x: jax.Array, code: _Code, random: jax.Array) -> jax.Array:
+  """Returns the int32 level in the float-like ``code`` of each ratio to its
+  scale in [0, 1], given as its float32 ``bits``: the level below or above,
+  at random by the uint32 ``random`` bits, with probability proportional to
+  the distance to the other (unbiased). Below the lowest level: signed, to
+  it with probability ``ratio / lowest``, else to 0; nonnegative, to it
+  where the value coded, ``x``, is positive (even where its ratio to the
+  scale underflowed), never to 0."""
+  zero = np.float32(0)
+  layout = code.layout
+  # In region r, level = base + ((bits - low + noise) >> shift), which is
+  # (bits + noise + (base << shift) - low) >> shift: an offset and a shift,
+  # each element's those of the first region (from the top) whose ``low`` it
+  # reaches. full_like, not full: under explicit sharding it takes bits'.
+  columns = []
+  for values in ([(c << sh) - low for low, c, sh in layout], [sh for _, _, sh in layout]):
+    column = jnp.full_like(bits, values[-1], jnp.int32)
+    for (low, _, _), entry in zip(layout[-2::-1], values[-2::-1], strict=True):
+      inside = jax.lax.ge(bits, np.int32(low))
+      column = jax.lax.select(inside, jnp.full_like(bits, entry, jnp.int32), column)
+    columns.append(column)
+  offset, shift = columns
+  one = np.int32(1)
+  mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
+  noise = jax.lax.bitwise_and(random.astype(jnp.int32), mask)
+  level = jax.lax.shift_right_arithmetic(jax.lax.add(jax.lax.add(bits, offset), noise), shift)
+  lowest = np.array(layout[-1][0], np.int32).view(np.float32)
+  if code.signed:
+    # Below the smallest level: to it with probability a / lowest, else to 0.
+    # Via int32 (the value fits 24 bits): uint32 to float32 does not vectorize.
+    uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
+    uniform = uniform.astype(jnp.float32)
+    threshold = jax.lax.mul(uniform, np.float32(lowest * 2.0**-24))
+    # As integers: the bits of non-negative floats order as their values (and
+    # then ``a`` is read only as bits, so XLA keeps it in registers).
+    small = jax.lax.gt(bits, jax.lax.bitcast_convert_type(threshold, jnp.int32))
+  else:
+    # Never to zero: a positive value below the smallest level takes it, even
+    # one whose ratio to the scale underflowed (so test x, not a).
+    small = jax.lax.gt(x, zero)
+  below = jax.lax.lt(bits, np.int32(layout[-1][0]))
+  level = jax.lax.select(below, small.astype(jnp.int32), level)
+  return level
+
+
+def _float_level_bits(magnitude: jax.Array, code: _Code) -> jax.Array:
+  """Returns the float32 bits (int32) of the level of each int32 code
+  ``magnitude`` (its sign bit cleared) in the float-like ``code``, at scale 1:
+  what :func:`_float_level` rounded to (a positive float also for
+  ``magnitude`` 0, which the caller zeroes)."""
+  layout = code.layout
+  # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) +
+  # (k << shift): the offset and shift of the first region (from the top)
+  # whose ``base`` the code's magnitude reaches, as in :func:`_float_level`.
+  columns = []
+  for values in ([low - (c << sh) for low, c, sh in layout], [sh for _, _, sh in layout]):
+    column = jnp.full_like(magnitude, values[-1], jnp.int32)
+    for (_, c, _), entry in zip(layout[-2::-1], values[-2::-1], strict=True):
+      inside = jax.lax.ge(magnitude, np.int32(c))
+      column = jax.lax.select(inside, jnp.full_like(magnitude, entry, jnp.int32), column)
+    columns.append(column)
+  offset, shift = columns
+  return jax.lax.add(offset, jax.lax.shift_left(magnitude, shift))
+
+
 # --- The 4-bit levels and packing ------------------------------------------------
 
 _SIGN_BIT = 8  # the signed 4-bit code's sign, above its 3-bit magnitude
 
 
-def _de_magnitudes(bits: int = 3) -> np.ndarray:
-  """The dynamic-exponent map's magnitudes for ``bits`` bits after the sign:
-  ``e`` leading zeros, an indicator bit, ``bits - 1 - e`` fraction bits over
-  [0.1, 1] at decade ``10**-e`` (bin midpoints), and zero; divided by the
-  largest, ascending, float64."""
-  out = [0.0]
-  for e in range(bits):
-    f = bits - 1 - e
-    out += [10.0**-e * (0.1 + 0.9 * (j + 0.5) / 2**f) for j in range(2**f)]
-  levels = np.sort(np.asarray(out))
-  return levels / levels[-1]
+# The signed 4-bit code's magnitudes, index = the code's low 3 bits: ``(j /
+# 7) ** 2`` for j = 0 .. 7 (0, 0.020, 0.082, 0.184, 0.327, 0.510, 0.735, 1):
+# closer together near the top, where most of a block's elements sit, than
+# the paper's dynamic-exponent map's (0.0062, 0.037, 0.087, 0.24, 0.49,
+# 0.75, 1), they hold Adam's direction closer to float32's on three of the
+# four streams of benchmarks/moment_codes_4bit_error.py (docs/moment_codes.md,
+# "4 bits").
+SIGNED_LEVELS_4BIT = ((np.arange(8) / 7.0) ** 2).astype(np.float32)
 
-
-# The signed 4-bit code's magnitudes, index = the code's low 3 bits: 0 and 7
-# levels up to 1.0 (0.0062, 0.0366, 0.0873, 0.2394, 0.4930, 0.7465, 1).
-SIGNED_LEVELS_4BIT = _de_magnitudes().astype(np.float32)
-
-# The nonnegative 4-bit code is float-like: level ``k >= 1`` is the float32 whose
-# bits are ``(k + _FLOAT_BASE) << _FLOAT_SHIFT`` (one mantissa bit: ``2**-7`` is
-# ``240 << 22``, 1.0 is ``254 << 22``), coded and decoded on the bits.
-_FLOAT_SHIFT = 22
-_FLOAT_BASE = 239
-# Its levels, index = the code: 0 (only for x <= 0), then 15 levels up to 1.0:
-# 2**-7, 0.0117, 2**-6, ..., 0.375, 0.5, 0.75, 1.
-NONNEGATIVE_LEVELS_4BIT = (
-  np.concatenate([[0], np.arange(_FLOAT_BASE + 1, _FLOAT_BASE + 16) << _FLOAT_SHIFT])
-  .astype(np.int32)
-  .view(np.float32)
-)
+# The nonnegative 4-bit code is float-like (``_float_level``): 15 levels, 2**-5
+# and the levels above it with one mantissa bit (2**-5, 0.0469, 2**-4, ...,
+# 0.375, 0.5, 0.75, 1), then the powers of two 2**-6 to 2**-9; code 0 only for
+# a value that is not positive. The floor, 2**-9 of the block's largest, is
+# what a small second moment is held up at (never zero, which would make
+# Adam's step blow up): a floor at 2**-7 held ``nu`` 10% high on average on
+# a heavy-tailed stream (docs/moment_codes.md, "4 bits").
+NONNEGATIVE_CODE_4BIT = _float_code(False, ((5, 1), (0, 0)), top=15)
+NONNEGATIVE_LEVELS_4BIT = level_table("nonnegative", NONNEGATIVE_CODE_4BIT)[:16]
 
 
 class _Layout(NamedTuple):
@@ -574,40 +630,8 @@ class EightBitCompressed(BlockScaledKind):
       # its ratio, above 1, would code past the top level into the sign bit.
       a = jax.lax.min(a, np.float32(1))
     bits = jax.lax.bitcast_convert_type(a, jnp.int32)
-    layout = code.layout
-    # In region r, level = base + ((bits - low + noise) >> shift), which is
-    # (bits + noise + (base << shift) - low) >> shift: an offset and a shift,
-    # each element's those of the first region (from the top) whose ``low`` it
-    # reaches. full_like, not full: under explicit sharding it takes bits'.
-    columns = []
-    for values in ([(c << sh) - low for low, c, sh in layout], [sh for _, _, sh in layout]):
-      column = jnp.full_like(bits, values[-1], jnp.int32)
-      for (low, _, _), entry in zip(layout[-2::-1], values[-2::-1], strict=True):
-        inside = jax.lax.ge(bits, np.int32(low))
-        column = jax.lax.select(inside, jnp.full_like(bits, entry, jnp.int32), column)
-      columns.append(column)
-    offset, shift = columns
-    one = np.int32(1)
     random = rounding.random_bits(key, applied_steps, shape)
-    mask = jax.lax.sub(jax.lax.shift_left(one, shift), one)
-    noise = jax.lax.bitwise_and(random.astype(jnp.int32), mask)
-    level = jax.lax.shift_right_arithmetic(jax.lax.add(jax.lax.add(bits, offset), noise), shift)
-    lowest = np.array(layout[-1][0], np.int32).view(np.float32)
-    if code.signed:
-      # Below the smallest level: to it with probability a / lowest, else to 0.
-      # Via int32 (the value fits 24 bits): uint32 to float32 does not vectorize.
-      uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
-      uniform = uniform.astype(jnp.float32)
-      threshold = jax.lax.mul(uniform, np.float32(lowest * 2.0**-24))
-      # As integers: the bits of non-negative floats order as their values (and
-      # then ``a`` is read only as bits, so XLA keeps it in registers).
-      small = jax.lax.gt(bits, jax.lax.bitcast_convert_type(threshold, jnp.int32))
-    else:
-      # Never to zero: a positive value below the smallest level takes it, even
-      # one whose ratio to the scale underflowed (so test x, not a).
-      small = jax.lax.gt(x, zero)
-    below = jax.lax.lt(bits, np.int32(layout[-1][0]))
-    level = jax.lax.select(below, small.astype(jnp.int32), level)
+    level = _float_level(bits, x, code, random)
     if code.signed:
       negative = jax.lax.bitwise_and(jax.lax.lt(x, zero), jax.lax.gt(level, np.int32(0)))
       level = jax.lax.bitwise_or(level, jax.lax.shift_left(negative.astype(jnp.int32), np.int32(7)))
@@ -637,19 +661,7 @@ class EightBitCompressed(BlockScaledKind):
         magnitude = jax.lax.bitwise_and(k, np.int32(127))
       return jax.lax.select(jax.lax.eq(magnitude, np.int32(0)), jnp.zeros_like(value), value)
     magnitude = jax.lax.bitwise_and(k, np.int32(127)) if code.signed else k
-    layout = code.layout
-    # In region r, bits = low + ((k - base) << shift) = (low - (base << shift)) +
-    # (k << shift): the offset and shift of the first region (from the top)
-    # whose ``base`` the code's magnitude reaches, as in :meth:`compress`.
-    columns = []
-    for values in ([low - (c << sh) for low, c, sh in layout], [sh for _, _, sh in layout]):
-      column = jnp.full_like(magnitude, values[-1], jnp.int32)
-      for (_, c, _), entry in zip(layout[-2::-1], values[-2::-1], strict=True):
-        inside = jax.lax.ge(magnitude, np.int32(c))
-        column = jax.lax.select(inside, jnp.full_like(magnitude, entry, jnp.int32), column)
-      columns.append(column)
-    offset, shift = columns
-    bits = jax.lax.add(offset, jax.lax.shift_left(magnitude, shift))
+    bits = _float_level_bits(magnitude, code)
     if code.signed:
       # The sign bit moves to float32's sign bit; the level's bits stay.
       sign = jax.lax.shift_left(jax.lax.shift_right_logical(k, np.int32(7)), np.int32(31))
@@ -711,6 +723,7 @@ class FourBitCompressed(BlockScaledKind):
     (the last entry of each row of ``scales``) is taken from ``value`` whatever
     is given."""
     x = jnp.asarray(value, jnp.float32)
+    signed = self.sign == "signed"
     layout = _Layout.of(x.shape)
     key = jnp.uint32(self.key) if key is None else key
     salt = np.uint32(_SALTS[f"4bit {self.sign}"])
@@ -729,8 +742,8 @@ class FourBitCompressed(BlockScaledKind):
     body = x[..., : layout.body]
     # Each element's code against its block's scale, rounded at random: one
     # loop fusion with the packing. The ratio |body| / scale (a scale of 0
-    # divides by 1) is not clamped: a scale below the magnitude gives a ratio
-    # above 1, which the rounding takes to the top level, never a wrap. A true
+    # divides by 1) may exceed 1 where a given scale sits an ulp below its
+    # largest element: each code takes it to the top level, never a wrap. A true
     # division, so that a block's largest element gives exactly 1; the select
     # is per element, after the broadcast, so that XLA does not turn the
     # division by a broadcast into a product by a reciprocal. Of |body| for
@@ -741,16 +754,15 @@ class FourBitCompressed(BlockScaledKind):
     magnitude = jax.lax.abs(body)
     safe = jax.lax.select(jax.lax.gt(scale, np.float32(0)), scale, jnp.ones_like(scale))
     a = jax.lax.div(magnitude, safe)
-    # The top bits of each element's random bits, drawn for the whole leaf: 24
-    # for a uniform float (signed), _FLOAT_SHIFT to add below the float-like
-    # code's mantissa bit. Via int32: uint32 to float32 does not vectorize on CPU.
+    # Each element's random bits, drawn for the whole leaf.
     random = rounding.random_bits(key, jnp.asarray(applied_steps, jnp.int32), x.shape)
     if layout.tail:
       random = jax.lax.slice_in_dim(random, 0, layout.body, axis=x.ndim - 1)
-    top = 24 if self.sign == "signed" else _FLOAT_SHIFT
-    random = jax.lax.shift_right_logical(random, np.uint32(32 - top)).astype(jnp.int32)
-    if self.sign == "signed":
-      u = jax.lax.mul(random.astype(jnp.float32), np.float32(2.0**-24))
+    if signed:
+      # Their top 24 as a uniform float. Via int32: uint32 to float32 does not
+      # vectorize on CPU.
+      uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
+      u = jax.lax.mul(uniform.astype(jnp.float32), np.float32(2.0**-24))
       index = _round(a, SIGNED_LEVELS_4BIT, u)
       negative = jax.lax.bitwise_and(
         jax.lax.lt(body, np.float32(0)), jax.lax.gt(index, np.int32(0))
@@ -758,16 +770,13 @@ class FourBitCompressed(BlockScaledKind):
       sign_bit = jax.lax.mul(negative.astype(jnp.int32), np.int32(_SIGN_BIT))
       codes = jax.lax.bitwise_or(index, sign_bit)
     else:
-      # The float-like code: the random bits added below the one mantissa bit
-      # kept (they round up with probability ``(a - low) / (high - low)``), then
-      # the exponent and that bit read as the code; below ``2**-7`` (an ``a``
-      # that underflowed included) to the smallest level, never to zero, above
-      # 1 to the top. 0 only for a body element <= 0, read from the bits (a
-      # positive subnormal counts).
-      a_bits = jax.lax.bitcast_convert_type(a, jnp.int32)
-      rounded = jax.lax.shift_right_arithmetic(jax.lax.add(a_bits, random), np.int32(_FLOAT_SHIFT))
-      t = jax.lax.clamp(np.int32(_FLOAT_BASE + 1), rounded, np.int32(_FLOAT_BASE + 15))
-      index = jax.lax.sub(t, np.int32(_FLOAT_BASE))
+      # The float-like code (``_float_level``). Above 1 (a scale an ulp below
+      # its largest element) to the top; 0 only for a body element <= 0, read
+      # from the bits (a positive subnormal, which XLA may compare as zero,
+      # takes level 1).
+      bits = jax.lax.bitcast_convert_type(jax.lax.min(a, np.float32(1)), jnp.int32)
+      level = _float_level(bits, body, NONNEGATIVE_CODE_4BIT, random)
+      index = jax.lax.max(level, np.int32(1))
       positive = jax.lax.gt(jax.lax.bitcast_convert_type(body, jnp.int32), np.int32(0))
       codes = jax.lax.select(positive, index, jnp.zeros_like(index))
     # On accelerators (the same bytes) by a bitcast of uint4 pairs, the view in
@@ -786,6 +795,7 @@ class FourBitCompressed(BlockScaledKind):
     # The layout whose codes and scales have these shapes: ``n`` is odd where
     # the scales hold one more entry a row than the blocks.
     *lead, pairs = codes.shape
+    signed = self.sign == "signed"
     _, blocks = block_layout((2 * pairs,), 4)
     if tuple(scales.shape[:-1]) != tuple(lead) or scales.shape[-1] not in (blocks, blocks + 1):
       raise ValueError(
@@ -816,10 +826,9 @@ class FourBitCompressed(BlockScaledKind):
     if by_table and not layout.tail:
       # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
       levels = SIGNED_LEVELS_4BIT
-      signed = self.sign == "signed"
       table = np.concatenate([levels, -levels]) if signed else NONNEGATIVE_LEVELS_4BIT
       value = jax.lax.mul(lookup(table.astype(np.float32), k), scale)
-    elif self.sign == "signed":
+    elif signed:
       magnitude = _select_level(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), SIGNED_LEVELS_4BIT)
       # The code's sign bit moves to float32's: -level, exactly.
       sign = jax.lax.shift_left(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT)), np.int32(28))
@@ -828,7 +837,7 @@ class FourBitCompressed(BlockScaledKind):
     else:
       # The float-like level from the code's bits (code 0 gives a tiny positive
       # float, zeroed below).
-      bits = jax.lax.shift_left(jax.lax.add(k, np.int32(_FLOAT_BASE)), np.int32(_FLOAT_SHIFT))
+      bits = _float_level_bits(k, NONNEGATIVE_CODE_4BIT)
       value = jax.lax.mul(jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
     if self.sign == "nonnegative":
       # At least float32's smallest normal (a product below it would flush to

@@ -161,7 +161,7 @@ class Signed4bitMoment(NamedTuple):
   Attributes:
     codes: uint8, ``(*shape[:-1], shape[-1] // 2)``: two codes a byte (element
       ``2i`` in the low nibble), each a sign bit and a 3-bit magnitude level
-      relative to the element's block.
+      ``(j / 7) ** 2`` of the element's block maximum.
     scales: float32, ``(*shape[:-1], n_blocks + shape[-1] % 2)``: the largest
       magnitude of each block of at most 128 elements along the last axis;
       for an odd last axis, then the row's last element itself.
@@ -179,8 +179,8 @@ class Nonnegative4bitMoment(NamedTuple):
 
   Attributes:
     codes: uint8, ``(*shape[:-1], shape[-1] // 2)``: two codes a byte, each
-      zero or one of 15 levels ``{1, 3/4} * 2**-e`` (down to ``2**-7``) of the
-      element's block maximum.
+      zero or one of 15 levels (``{1, 3/4} * 2**-e`` down to ``2**-5``, then
+      powers of two down to ``2**-9``) of the element's block maximum.
     scales: float32, ``(*shape[:-1], n_blocks + shape[-1] % 2)``: the largest
       value of each block of at most 128 elements along the last axis; for an
       odd last axis, then the row's last element itself.
