@@ -102,7 +102,8 @@ def maxima_by_leaf(
   new, _ = inner_step(*jax.tree.unflatten(treedef, flat))
   # Each param's moments reduced together, as without skip="leaf" but with
   # no gradient: apart, XLA:GPU reads the old codes and the gradient once
-  # for each moment whose blocks differ in size (4 bits: 64 signed, 128).
+  # for each moment whose blocks differ in size (per field: 8-bit blocks of
+  # 256 beside 4-bit ones of 128).
   return block_maxima(moments_format, new.inner, {})[0]
 
 
@@ -114,10 +115,10 @@ def block_maxima(
   which of ``grads`` were read.
 
   ``grads`` are the gradients as the inner rule received them, by the path
-  of their leaf (``jax.tree_util.keystr``). The moments whose path below
-  their field is one param's (and a gradient's there, of their shape) are
-  reduced together, with that gradient's finiteness, in one variadic
-  reduction at the smallest block size among them (a larger block's maxima
+  of their leaf (``jax.tree_util.keystr``). The moments of one shape whose
+  path below their field is one param's (and, where given, a gradient's of
+  that shape) are reduced together, with that gradient's finiteness, in one
+  variadic reduction at the smallest block size among them (a larger block's maxima
   are those of its smaller blocks): one kernel reads the old codes and the
   gradient once, where a reduction per moment would read the gradient once
   more each and leave XLA:GPU's cost model to decide whether to write the
@@ -128,7 +129,9 @@ def block_maxima(
   values = [value for _, value in flat]
   fields = {name for name, _, _ in moments_format.fields}
   scales: list[jax.Array | None] = [None] * len(flat)
-  groups: dict[str, list[tuple[int, BlockScaledKind, int]]] = {}
+  # By the path below the field and the shape: without a gradient to check
+  # against, moments of one path may still differ in shape.
+  groups: dict[tuple[str, tuple[int, ...]], list[tuple[int, BlockScaledKind, int]]] = {}
   kinds = moments_format.kinds(new_inner)
   for index, (kind, (keys, value)) in enumerate(zip(kinds, flat, strict=True)):
     if not isinstance(kind, BlockScaledKind):
@@ -142,9 +145,9 @@ def block_maxima(
     if below is None or size is None or (grad is not None and np.shape(grad) != value.shape):
       scales[index] = kind.maxima(value)
     else:
-      groups.setdefault(below, []).append((index, kind, size))
+      groups.setdefault((below, np.shape(value)), []).append((index, kind, size))
   finite = []
-  for path, members in groups.items():
+  for (path, _), members in groups.items():
     small = min(size for _, _, size in members)
     joint = [(i, kind, size) for i, kind, size in members if size % small == 0]
     for i, kind, size in members:
@@ -178,7 +181,7 @@ def block_maxima(
   if finite:
     # Behind a barrier, as verdict._all stacks per-leaf flags: one kernel tests them.
     all_finite = jax.lax.optimization_barrier(jnp.stack(finite)).all()
-  return scales, all_finite, {path for path in groups if path in grads}
+  return scales, all_finite, {path for path, _ in groups if path in grads}
 
 
 def kept(applied: jax.Array, new: Any, old: Any) -> Any:
