@@ -17,6 +17,7 @@ from mpx._src.loss_scale import (
 )
 from mpx._src.mixed_precision import inner_state, master_params, mixed_precision
 from mpx._src.precision_check import MasterPrecisionError, check_master_precision
+from mpx._src.scan_layers import ScanLayers, scan_layers
 from mpx._src.sharding import zero1_shardings
 from mpx._src.states import (
   AccumulationState,
@@ -28,6 +29,7 @@ from mpx._src.states import (
   MixedPrecisionStochasticState,
   Nonnegative4bitMoment,
   Nonnegative8bitMoment,
+  ScanLayersState,
   Signed4bitMoment,
   Signed8bitMoment,
 )
@@ -49,6 +51,8 @@ __all__ = [
   "MixedPrecisionStochasticState",
   "Nonnegative4bitMoment",
   "Nonnegative8bitMoment",
+  "ScanLayers",
+  "ScanLayersState",
   "Signed4bitMoment",
   "Signed8bitMoment",
   "accumulate",
@@ -65,6 +69,7 @@ __all__ = [
   "master_params",
   "mixed_precision",
   "scale_loss",
+  "scan_layers",
   "select_tree",
   "static_loss_scale",
   "switch_masters",

@@ -247,3 +247,21 @@ class AccumulationState(NamedTuple):
   gradient_step: jax.Array
   acc_grads: optax.Updates
   inner_state: optax.OptState
+
+
+class ScanLayersState(NamedTuple):
+  """The layers of :func:`mpx.scan_layers`, params and optimizer state together,
+  so that one ``jax.grad`` argument returns both after the update.
+
+  Attributes:
+    params: the layers' params, each leaf stacked along a leading axis of one
+      entry a layer.
+    inner_state: the layers' rule's state for each layer, stacked along a
+      leading axis; its non-floating leaves (counters, codes, keys) hold
+      their bits in a floating type of the same width, since a cotangent
+      carries it out of the backward pass (``ScanLayers.inner_state`` gives
+      the state as the rule holds it).
+  """
+
+  params: optax.Params
+  inner_state: optax.OptState

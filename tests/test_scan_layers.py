@@ -1,0 +1,337 @@
+"""`mpx.scan_layers`: scanned layers updated in the backward scan, a layer at a time.
+
+The reference is independent of it: the same layers under a plain
+``lax.scan``, ``jax.grad`` of the loss and the same rule's step on the
+stacked params after it. Elementwise rules give each layer the step the
+stacked step gives it; a rule's verdict is each layer's own.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from treecheck import tree_equal
+
+import mpx
+
+LAYERS, WIDTH = 3, 32  # "w" and "v": 4096 elements a layer, the least that moments compress
+
+
+def block(p, x):
+  return x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
+
+
+def plain_loss(params, x):
+  x, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, params)
+  return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+
+def setup(dtype=jnp.bfloat16, seed=0):
+  rng = np.random.default_rng(seed)
+  shapes = {
+    "w": (LAYERS, WIDTH, 4 * WIDTH),
+    "b": (LAYERS, 4 * WIDTH),
+    "v": (LAYERS, 4 * WIDTH, WIDTH),
+  }
+  params = {
+    k: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2] if len(s) > 2 else 8), dtype)
+    for k, s in shapes.items()
+  }
+  batches = [jnp.asarray(rng.standard_normal((8, WIDTH)), dtype) for _ in range(3)]
+  return params, batches
+
+
+def train_plain(tx, params, batches):
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, x):
+    updates, state = tx.update(jax.grad(plain_loss)(params, x), state, params)
+    return optax.apply_updates(params, updates), state
+
+  for x in batches:
+    params, state = step(params, state, x)
+  return params, state
+
+
+def train_in_backward(tx, params, batches, poison=None):
+  stack = mpx.scan_layers(block, tx)
+  layers = stack.init(params)
+
+  def loss(layers, x):
+    return jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32)))
+
+  step = jax.jit(jax.grad(loss))
+  for x in batches:
+    layers = step(layers, x)
+  return stack, layers
+
+
+def mp(masters, moments="full", skip="step"):
+  return lambda: mpx.mixed_precision(optax.adamw(1e-2), masters=masters, moments=moments, skip=skip)
+
+
+EXACT = {
+  "optax adamw": lambda: optax.adamw(1e-2),
+  "full": mp("full"),
+  "remainder": mp("remainder"),
+  "24bit, skip=leaf": mp("24bit", skip="leaf"),
+}
+
+
+@pytest.mark.parametrize("make", EXACT.values(), ids=EXACT.keys())
+def test_each_layer_takes_the_stacked_steps_update_bit_for_bit(make, finite_check_form):
+  params, batches = setup()
+  expected, _ = train_plain(make(), params, batches)
+  _, layers = train_in_backward(make(), params, batches)
+  assert tree_equal(layers.params, expected)
+
+
+def test_the_inner_state_is_each_layers_slice_of_the_stacked_state():
+  params, batches = setup()
+  tx = mp("24bit")()
+  _, expected = train_plain(tx, params, batches)
+  stack, layers = train_in_backward(tx, params, batches)
+  state = stack.inner_state(layers)
+  # Elementwise leaves (masters, moments) are the stacked state's; each
+  # layer's counters count the steps the stacked state counts once.
+  assert tree_equal(state.master_corrections, expected.master_corrections)
+  assert tree_equal(mpx.inner_state(state)[0].mu, mpx.inner_state(expected)[0].mu)
+  np.testing.assert_array_equal(state.applied_steps, np.full(LAYERS, len(batches)))
+  np.testing.assert_array_equal(state.nonfinite_steps, np.zeros(LAYERS))
+  assert state.applied_steps.dtype == jnp.int32
+
+
+RANDOM = {
+  "stochastic": mp("stochastic"),
+  "24bit + 4bit": mp("24bit", "4bit"),
+  "remainder + 8bit, skip=leaf": mp("remainder", "8bit", skip="leaf"),
+}
+
+
+@pytest.mark.slow  # 3 x 2 trainings: 10 s
+@pytest.mark.parametrize("make", RANDOM.values(), ids=RANDOM.keys())
+def test_with_random_rounding_the_first_layer_draws_the_stacked_steps_bits(make, finite_check_form):
+  # The random bits hash each element's index in its leaf: the first layer's
+  # indices are the stacked leaf's, every other layer draws the first's. After
+  # one step the first layer is the stacked step's (later, the other layers'
+  # params, which differ, reach its gradient); the others stay close.
+  params, batches = setup()
+  first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+  one_step, _ = train_plain(make(), params, batches[:1])
+  assert tree_equal(
+    first(train_in_backward(make(), params, batches[:1])[1].params), first(one_step)
+  )
+  expected, _ = train_plain(make(), params, batches)
+  _, layers = train_in_backward(make(), params, batches)
+  moved = jax.tree.map(
+    lambda a, b: float(jnp.abs(a.astype(float) - b.astype(float)).mean()), expected, params
+  )
+  apart = jax.tree.map(
+    lambda a, b: float(jnp.abs(a.astype(float) - b.astype(float)).mean()), layers.params, expected
+  )
+  for name in params:
+    assert apart[name] < 0.1 * moved[name], (name, apart[name], moved[name])
+
+
+def gated_block(p, x):
+  # d/dc of sqrt(c) * 0 is 0 * inf at c = 0: NaN in that layer's "c" gradient
+  # alone (the term reads no x, so the cotangent passed on stays finite).
+  return block(p, x) + jnp.sqrt(p["c"]) * 0
+
+
+@pytest.mark.parametrize("skip", ["step", "leaf"])
+def test_a_non_finite_gradient_skips_its_layer_alone_and_is_counted_there(skip, finite_check_form):
+  params, batches = setup()
+  params["c"] = jnp.asarray([1.0, 0.0, 1.0], jnp.bfloat16)  # layer 1's gradient: NaN
+  stack = mpx.scan_layers(gated_block, mp("24bit", "4bit", skip=skip)())
+  layers = stack.init(params)
+
+  def loss(layers, x):
+    return jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32)))
+
+  before = stack.inner_state(layers)
+  new = jax.jit(jax.grad(loss))(layers, batches[0])
+  state = stack.inner_state(new)
+  floating = [
+    x for x in jax.tree.leaves(mpx.inner_state(state)) if jnp.issubdtype(x.dtype, jnp.floating)
+  ]
+  assert all(bool(jnp.isfinite(x).all()) for x in floating)
+  assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(new.params))
+  np.testing.assert_array_equal(state.nonfinite_steps, [0, 1, 0])
+  np.testing.assert_array_equal(state.applied_steps, [1, 1 if skip == "leaf" else 0, 1])
+  for i in (0, 2):
+    assert not np.array_equal(new.params["w"][i], params["w"][i])
+  # skip="step": the layer is kept whole; skip="leaf": the leaf alone.
+  kept = ("w", "b", "v", "c") if skip == "step" else ("c",)
+  for name in ("w", "b", "v", "c"):
+    assert np.array_equal(new.params[name][1], params[name][1]) == (name in kept), name
+    same = np.array_equal(state.master_corrections[name][1], before.master_corrections[name][1])
+    assert same or name not in kept, name
+
+
+def test_the_carried_state_restores_every_leaf_bit_for_bit():
+  params, _ = setup()
+  for tx in (
+    mp("stochastic", "4bit")(),
+    mp("24bit", {"mu": "8bit", "nu": "4bit"})(),
+    optax.adamw(1e-2),
+  ):
+    stack = mpx.scan_layers(block, tx)
+    layers = stack.init(params)
+    assert all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(layers))
+    assert tree_equal(stack.inner_state(layers), jax.vmap(tx.init)(params))
+
+
+def test_bits_that_read_as_nan_floats_ride_through_a_step_unchanged():
+  # Carried as float32, these keys are signalling and quiet NaNs, an
+  # infinity and a negative zero: only moved (sliced, written), never computed
+  # with, so every bit survives.
+  params, batches = setup()
+  tx = mp("stochastic", "4bit")()
+  stack = mpx.scan_layers(block, tx)
+  layers = stack.init(params)
+  keys = np.array([0x7F800001, 0xFFC00001, 0x7F800000, 0x80000000], np.uint32)
+  state = stack.inner_state(layers)
+  crafted = {k: jnp.asarray(keys[:LAYERS] + i) for i, k in enumerate(state.rounding_keys)}
+  layers = layers._replace(
+    inner_state=layers.inner_state._replace(
+      rounding_keys=jax.tree.map(lambda k: jax.lax.bitcast_convert_type(k, jnp.float32), crafted)
+    )
+  )
+
+  def loss(layers, x):
+    return jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32)))
+
+  new = jax.jit(jax.grad(loss))(layers, batches[0])
+  assert tree_equal(stack.inner_state(new).rounding_keys, crafted)
+  assert not tree_equal(new.params, layers.params)
+
+
+def test_refuses_a_loss_scale_and_layers_without_one_leading_axis():
+  params, _ = setup(jnp.float16)
+  with pytest.raises(ValueError, match="loss_scale"):
+    mpx.scan_layers(block, mpx.loss_scale(mpx.mixed_precision(optax.adam(1e-3)))).init(params)
+  stack = mpx.scan_layers(block, optax.adam(1e-3))
+  with pytest.raises(ValueError, match="leading layer axis"):
+    stack.init(dict(params, b=params["b"][:2]))
+  with pytest.raises(TypeError, match="ScanLayersState"):
+    stack(params, jnp.ones((2, WIDTH)))
+
+
+def train_both(tx_maker, plain_loss_fn, block_fn, params, batches):
+  """The plain scanned step and scan_layers' step, from the same params."""
+
+  def plain_train(params):
+    tx = tx_maker()
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, x):
+      updates, state = tx.update(jax.grad(plain_loss_fn)(params, x), state, params)
+      return optax.apply_updates(params, updates), state
+
+    for x in batches:
+      params, state = step(params, state, x)
+    return params
+
+  stack = mpx.scan_layers(block_fn, tx_maker())
+  layers = stack.init(params)
+  step = jax.jit(
+    jax.grad(lambda layers, x: jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32))))
+  )
+  for x in batches:
+    layers = step(layers, x)
+  return plain_train(params), layers.params
+
+
+@pytest.mark.parametrize(
+  "make", [EXACT["optax adamw"], EXACT["24bit, skip=leaf"]], ids=["adamw", "24bit"]
+)
+def test_a_linen_nn_scan_model_trains_as_its_plain_step(make):
+  from flax import linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      dense = lambda n: nn.Dense(n, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)  # noqa: E731
+      return x + dense(WIDTH)(jnp.tanh(dense(4 * WIDTH)(x))), None
+
+  Stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+  _, batches = setup()
+  params = Stack().init(jax.random.key(0), batches[0], None)["params"]
+
+  def plain(params, x):
+    return jnp.mean(jnp.square(Stack().apply({"params": params}, x, None)[0].astype(jnp.float32)))
+
+  expected, got = train_both(
+    make, plain, lambda p, x: Block().apply({"params": p}, x, None)[0], params, batches
+  )
+  assert tree_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+  "make", [EXACT["optax adamw"], EXACT["24bit, skip=leaf"]], ids=["adamw", "24bit"]
+)
+def test_nnx_layers_train_as_their_plain_scanned_step(make):
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      def linear(a, b):
+        return nnx.Linear(a, b, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
+
+      self.up, self.down = linear(WIDTH, 4 * WIDTH), linear(4 * WIDTH, WIDTH)
+
+    def __call__(self, x):
+      return x + self.down(jnp.tanh(self.up(x)))
+
+  blocks = [Block(nnx.Rngs(i)) for i in range(LAYERS)]
+  graphdef, _ = nnx.split(blocks[0])
+  params = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b, nnx.Param) for b in blocks])
+  run = lambda p, x: nnx.merge(graphdef, p)(x)  # noqa: E731
+  _, batches = setup()
+
+  def plain(params, x):
+    x, _ = jax.lax.scan(lambda h, p: (run(p, h), None), x, params)
+    return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+  expected, got = train_both(make, plain, run, params, batches)
+  assert tree_equal(got, expected)
+
+
+@pytest.mark.slow  # 3 x 2 trainings on 8 devices: 10 s
+@pytest.mark.parametrize(
+  "masters, moments",
+  [("24bit", "4bit"), ("stochastic", {"mu": "8bit", "nu": "4bit"}), ("remainder", "full")],
+)
+def test_zero1_sharded_layers_store_the_replicated_steps_bits(masters, moments):
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  params, batches = setup()
+  params = {k: v for k, v in params.items()}
+  tx = mp(masters, moments, skip="leaf")()
+  stack = mpx.scan_layers(block, tx)
+  shardings = stack.zero1_shardings(params, mesh)
+  mu = shardings.inner_state.inner_state[0].mu["w"]
+  assert (mu if moments == "full" else mu.codes).spec == P(None, "data")
+
+  def loss(layers, x):
+    return jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32)))
+
+  replicated = stack.init(params)
+  sharded = jax.jit(stack.init, out_shardings=shardings)(params)
+  step = jax.jit(jax.grad(loss))
+  sharded_step = jax.jit(
+    jax.grad(loss),
+    in_shardings=(shardings, NamedSharding(mesh, P("data"))),
+    out_shardings=shardings,
+  )
+  for x in batches:
+    replicated, sharded = step(replicated, x), sharded_step(sharded, x)
+  assert tree_equal(sharded, replicated)
+  leaf = jax.tree.leaves(sharded.inner_state)[-1]
+  assert leaf.sharding.spec[0] is None
