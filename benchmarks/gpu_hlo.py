@@ -119,26 +119,40 @@ class Profile:
 
 
 def profile(compiled: Any) -> Profile:
-  """Counts over the entry computation and the branches of its conditionals."""
+  """Counts over the entry computation, the branches of its conditionals and
+  the bodies of its loops (a scan's, once per iteration: its known trip count)."""
   text = compiled.as_text()
   computations = _computations(text)
   entry = next(name for name in computations if name.startswith("ENTRY "))
-  run = [entry]
+  run = [(entry, 1)]
+  bodies: set[str] = set()
   conditionals = 0
   for name in computations:
     for _, _, op, rest in computations[name]:
       if op == "conditional":
         conditionals += 1
-        run += re.findall(r"(?:branch_computations=\{|true_computation=|false_computation=)"
-                          r"%?([\w.-]+)", rest)  # fmt: skip
+        run += [(branch, 1) for branch in re.findall(
+          r"(?:branch_computations=\{|true_computation=|false_computation=)%?([\w.-]+)", rest
+        )]  # fmt: skip
+  # Loop bodies, nested ones too, each times the trips of the loops around it.
+  for name, times in run:
+    for _, _, op, rest in computations.get(name) or computations.get(
+      _by_short(computations, name), []
+    ):
+      if op == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        body = re.search(r"body=%?([\w.-]+)", rest)
+        if body:
+          run.append((body.group(1), times * (int(trips.group(1)) if trips else 1)))
+          bodies.add(body.group(1))
   kernels = copies = copied = total = 0
-  for name in run:
+  for name, times in run:
     instructions = computations.get(name) or computations.get(_by_short(computations, name), [])
     types = {n: t for n, t, _, _ in instructions}
     for _, result, op, rest in instructions:
       if op not in KERNEL_OPS:
         continue
-      kernels += 1
+      kernels += times
       operands = re.findall(r"%([\w.-]+)", rest.split("),")[0])
       read = [type_bytes(types.get(o, "")) for o in operands]
       elements = _sliced_elements(computations, result, rest)
@@ -149,13 +163,65 @@ def profile(compiled: Any) -> Profile:
           min(b, elements * _element_bytes(types.get(o, "")))
           for b, o in zip(read, operands, strict=True)
         ]
-      moved = type_bytes(result) + sum(read)
+      in_place = None
+      if name in bodies:  # a loop body's fusion may read and write slices in place
+        in_place = _in_place(computations, rest, [types.get(o, "") for o in operands])
+      if in_place is not None:
+        written, read = in_place
+        result = ""
+      else:
+        written = 0
+      moved = (written + type_bytes(result) + sum(read)) * times
       total += moved
       if op in ("copy", "copy-start"):
-        copies += 1
+        copies += times
         copied += moved
   scratch = compiled.memory_analysis().temp_size_in_bytes
   return Profile(conditionals, kernels, copies, copied, total, scratch)
+
+
+def _in_place(
+  computations: dict, rest: str, operand_types: list[str]
+) -> tuple[float, list[float]] | None:
+  """Returns ``(bytes written, bytes read per operand)`` of a fusion that reads
+  some operand only by dynamic slices or writes one by dynamic-update-slices
+  in place (a scan body's, on the stacked arrays it carries), counting the
+  slices; None for any other kernel."""
+  called = re.search(r"calls=%?([\w.-]+)", rest)
+  body = computations.get(called.group(1)) if called else None
+  if not body:
+    return None
+  types = {n: t for n, t, _, _ in body}
+  params = {int(r.split(")")[0]): n for n, _, op, r in body if op == "parameter"}
+  users: dict[str, list[tuple[str, int, str]]] = {}
+  for _, result, op, r in body:
+    for k, o in enumerate(re.findall(r"%([\w.-]+)", r.split("),")[0])):
+      users.setdefault(o, []).append((op, k, result))
+  read, sliced = [], False
+  for i, operand_type in enumerate(operand_types):
+    uses = users.get(params.get(i, ""), [])
+    if uses and all(op == "dynamic-slice" and k == 0 for op, k, _ in uses):
+      read.append(sum(type_bytes(t) for _, _, t in uses))
+      sliced = True
+    elif uses and all(op == "dynamic-update-slice" and k == 0 for op, k, _ in uses):
+      read.append(0)
+      sliced = True
+    else:
+      read.append(type_bytes(operand_type))
+  if not sliced:
+    return None
+  # The results: each dynamic-update-slice writes its update alone.
+  name, root_type, root_op, root_rest = body[-1]
+  outputs = re.findall(r"%([\w.-]+)", root_rest.split("),")[0]) if root_op == "tuple" else [name]
+  ops = {n: (op, r) for n, _, op, r in body}
+  written = 0.0
+  for out in outputs:
+    op, r = ops.get(out, ("", ""))
+    if op == "dynamic-update-slice":
+      written += type_bytes(types.get(re.findall(r"%([\w.-]+)", r)[1], ""))
+    else:
+      written += type_bytes(types.get(out, root_type))
+  return written, read
 
 
 def _computations(text: str) -> dict[str, list[tuple[str, str, str, str]]]:

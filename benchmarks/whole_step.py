@@ -128,6 +128,32 @@ def measure(
   return Row(name, kept / n, p.scratch / n, p.bytes / n, p.conditionals)
 
 
+def measure_scan_layers(
+  name: str, model: Model, tx: optax.GradientTransformation, topo: Any
+) -> Row:
+  """As :func:`measure`, for the scanned stack's step under ``mpx.scan_layers(block,
+  tx)``: each layer updated in the backward scan's iteration."""
+  sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+  params = {
+    k: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for k, s in model.shapes().items()
+  }
+  stack = mpx.scan_layers(lambda p, x: x + jax.nn.relu(x @ p["up"]) @ p["down"], tx)
+  layers = _abstract(jax.eval_shape(stack.init, params), sharding)
+  batch = jax.ShapeDtypeStruct((model.batch, model.width), jnp.bfloat16, sharding=sharding)
+
+  def step(layers, batch):
+    return jax.grad(lambda layers: jnp.mean(jnp.square(stack(layers, batch).astype(jnp.float32))))(
+      layers
+    )
+
+  jitted = jax.jit(step, donate_argnums=0)
+  compiled = jitted.trace(layers, batch).lower(lowering_platforms=("cuda",)).compile()
+  n = model.params
+  kept = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layers))
+  p = profile(compiled)
+  return Row(name, kept / n, p.scratch / n, p.bytes / n, p.conditionals)
+
+
 Maker = Callable[[], optax.GradientTransformation]
 
 
@@ -177,6 +203,12 @@ def rows(every_mode: bool = True) -> list[Step]:
       Step(f"{name}, skip=leaf, mpx.clipped_grad", mp("24bit", f, skip="leaf"), clip=1.0),
       Step(f"{name}, skip=leaf, clip_by_block_rms", mp("24bit", f, rms_then_adamw, skip="leaf")),
     ]
+  steps.append(Step("mpx.scan_layers(optax adamw)", lambda: optax.adamw(1e-3)))
+  for masters in SWEEP_MASTERS:
+    for moments in SWEEP_MOMENTS if every_mode else FOUR_BIT:
+      for skip in ("step", "leaf"):
+        name = f"mpx.scan_layers({mode_name(masters, moments)}, skip={skip})"
+        steps.append(Step(name, mp(masters, moments, skip=skip)))
   steps.append(
     Step(f"optax.MultiSteps(adamw, {K})", lambda: optax.MultiSteps(optax.adamw(1e-3), K))
   )
@@ -205,7 +237,12 @@ def table(model: Model, every_mode: bool = True) -> list[str]:
   print("\n".join(lines), flush=True)
   topo = topology()
   for step in rows(every_mode):
-    row = measure(step.name, model, step.make(), step.micro_step, topo, step.clip)
+    if step.name.startswith("mpx.scan_layers") and not model.scanned:
+      continue
+    if step.name.startswith("mpx.scan_layers"):
+      row = measure_scan_layers(step.name, model, step.make(), topo)
+    else:
+      row = measure(step.name, model, step.make(), step.micro_step, topo, step.clip)
     lines.append(
       f"| {row.name} | {row.kept:.2f} | {row.transient:.2f} | {row.total:.2f} | "
       f"{row.moved:.1f} | {row.conditionals} |"

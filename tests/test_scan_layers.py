@@ -8,6 +8,7 @@ stacked step gives it; a rule's verdict is each layer's own.
 
 import jax
 import jax.numpy as jnp
+import jax_versions
 import numpy as np
 import optax
 import pytest
@@ -335,3 +336,53 @@ def test_zero1_sharded_layers_store_the_replicated_steps_bits(masters, moments):
   assert tree_equal(sharded, replicated)
   leaf = jax.tree.leaves(sharded.inner_state)[-1]
   assert leaf.sharding.spec[0] is None
+
+
+@jax_versions.requires_jax("0.6.1", "shard_map's check_vma types (vma)")
+def test_refuses_a_carry_that_varies_over_shard_map_axes():
+  # There the layers' update would read the device's own gradient, and their
+  # broadcast's transpose would sum the devices' new layers.
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  params, batches = setup()
+  stack = mpx.scan_layers(block, optax.sgd(0.1))
+
+  def local(layers, x):
+    return jax.grad(lambda layers: jnp.sum(stack(layers, x).astype(jnp.float32)))(layers)
+
+  run = jax_versions.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  with pytest.raises(ValueError, match="shard_map axes"):
+    jax.jit(run)(stack.init(params), batches[0])
+
+
+@pytest.mark.slow  # compiles 4 steps for an H100: 20 s
+def test_on_an_h100_the_step_holds_a_layer_not_the_stack():
+  """Compiled for an H100 (benchmarks/whole_step.py, scanned, at a small
+  size): beside params and state the plain scanned step holds the stacked
+  gradient (2 B/param and more); updated in the backward scan, one layer's
+  gradient and temporaries, a share that falls with the layer count. The
+  layers are updated in place: a copy of the stack would hold 2 B/param."""
+  import sys
+
+  from test_gpu_compile import require_cuda_compiler
+
+  require_cuda_compiler()
+  sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+  from benchmarks import whole_step
+
+  topo = whole_step.topology()
+  held = {}
+  for blocks, width in ((8, 256), (32, 128)):
+    model = whole_step.Model(blocks, width, batch=16, scanned=True)
+    tx = mp("24bit", "4bit")
+    plain = whole_step.measure("plain", model, tx(), topo=topo)
+    layered = whole_step.measure_scan_layers("layers", model, tx(), topo)
+    assert plain.transient >= 2.0
+    assert layered.conditionals == 0
+    assert layered.kept == pytest.approx(plain.kept, abs=1e-3)  # each layer counts its steps
+    assert layered.moved <= 1.6 * plain.moved
+    held[blocks] = layered.transient
+  assert held[8] <= 1.3
+  assert held[32] <= held[8] / 2.5

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mpx._src import sharding, state_search
+from mpx._src import sharding, state_search, validation
 from mpx._src.states import LossScaleState, ScanLayersState
 
 # The floating type of each width that carries a non-floating leaf's bits out
@@ -83,6 +83,7 @@ class ScanLayers:
     if not isinstance(layers, ScanLayersState):
       raise TypeError(f"scan_layers: expected the ScanLayersState of init, got {type(layers)}")
     _layer_count(layers.params)
+    _refuse_mapped_axes(carry)
     return _run(self, layers, carry)
 
   def inner_state(self, layers: ScanLayersState) -> Any:
@@ -131,6 +132,20 @@ def _refuse_loss_scale(state_like: Any) -> None:
       "scan_layers: tx holds an mpx.loss_scale, whose scale must judge the whole "
       "step before any layer changes; the layers update one at a time. Scale float16 "
       "layers outside, or use bfloat16 params with mpx.mixed_precision."
+    )
+
+
+def _refuse_mapped_axes(carry: Any) -> None:
+  """Refuses a carry that varies over ``shard_map`` axes: there each layer's
+  gradient would be the device's own, and the transpose of the layers'
+  broadcast to the devices would sum their new values. (Types before jax
+  0.6.1 carry no such axes: docs/howto.md says it.)"""
+  axes = validation.varying_axes(carry)
+  if axes:
+    raise ValueError(
+      f"scan_layers: the carry varies over the shard_map axes {sorted(axes)}; each layer "
+      "would be updated by the device's own gradient. Call it under jit with the batch "
+      "sharded instead (each layer's gradient is then the whole batch's)."
     )
 
 
