@@ -3,7 +3,8 @@
 The reference is independent of it: the same layers under a plain
 ``lax.scan``, ``jax.grad`` of the loss and the same rule's step on the
 stacked params after it. Elementwise rules give each layer the step the
-stacked step gives it; a rule's verdict is each layer's own.
+stacked step gives it, bit for bit, random bits included; a rule's verdict
+is each layer's own.
 """
 
 import jax
@@ -73,67 +74,63 @@ def mp(masters, moments="full", skip="step"):
   return lambda: mpx.mixed_precision(optax.adamw(1e-2), masters=masters, moments=moments, skip=skip)
 
 
-EXACT = {
-  "optax adamw": lambda: optax.adamw(1e-2),
-  "full": mp("full"),
-  "remainder": mp("remainder"),
-  "24bit, skip=leaf": mp("24bit", skip="leaf"),
-}
+MASTERS = ("full", "remainder", "24bit", "stochastic")
+MOMENTS = ("full", "bfloat16", "8bit", "4bit", {"mu": "8bit", "nu": "4bit"})
+# Each masters and moments mode once in the quick tier, every pair in the slow.
+QUICK = [
+  ("remainder", "full", "step"),
+  ("24bit", "4bit", "leaf"),
+  ("stochastic", "8bit", "step"),
+  ("full", {"mu": "8bit", "nu": "4bit"}, "leaf"),
+  ("remainder", "bfloat16", "leaf"),
+]
+EVERY = [
+  pytest.param(m, f, s, marks=[] if (m, f, s) in QUICK else [pytest.mark.slow])
+  for m in MASTERS
+  for f in MOMENTS
+  for s in ("step", "leaf")
+]
 
 
-@pytest.mark.parametrize("make", EXACT.values(), ids=EXACT.keys())
-def test_each_layer_takes_the_stacked_steps_update_bit_for_bit(make, finite_check_form):
+def test_each_layer_takes_optax_adamws_stacked_update_bit_for_bit():
   params, batches = setup()
-  expected, _ = train_plain(make(), params, batches)
-  _, layers = train_in_backward(make(), params, batches)
+  expected, _ = train_plain(optax.adamw(1e-2), params, batches)
+  _, layers = train_in_backward(optax.adamw(1e-2), params, batches)
   assert tree_equal(layers.params, expected)
 
 
-def test_the_inner_state_is_each_layers_slice_of_the_stacked_state():
+@pytest.mark.parametrize("masters, moments, skip", EVERY)
+def test_each_layer_takes_the_stacked_steps_update_bit_for_bit(
+  masters, moments, skip, finite_check_form
+):
+  # Random bits included (stochastic masters, compressed moments): a layer
+  # draws the bits the stacked leaf draws for its elements.
   params, batches = setup()
-  tx = mp("24bit")()
-  _, expected = train_plain(tx, params, batches)
-  stack, layers = train_in_backward(tx, params, batches)
+  expected, expected_state = train_plain(mp(masters, moments, skip)(), params, batches)
+  stack, layers = train_in_backward(mp(masters, moments, skip)(), params, batches)
+  assert tree_equal(layers.params, expected)
+  # Each layer's state is its slice of the stacked state (to XLA's choice of
+  # where to contract a multiply-add, which the program around the step
+  # moves: the params hide it, the masters' low bits and the moments may
+  # not), its counters the stacked state's, once a layer.
   state = stack.inner_state(layers)
-  # Elementwise leaves (masters, moments) are the stacked state's; each
-  # layer's counters count the steps the stacked state counts once.
-  assert tree_equal(state.master_corrections, expected.master_corrections)
-  assert tree_equal(mpx.inner_state(state)[0].mu, mpx.inner_state(expected)[0].mu)
+  for got, want in zip(
+    jax.tree.leaves(mpx.inner_state(state)[0]),
+    jax.tree.leaves(mpx.inner_state(expected_state)[0]),
+    strict=True,
+  ):
+    assert float(jnp.abs(got - want).mean()) <= 1e-3 * float(jnp.abs(want).mean())
+  got_masters = mpx.master_params(state, layers.params)
+  expected_masters = mpx.master_params(expected_state, expected)
+  pairs = zip(jax.tree.leaves(got_masters), jax.tree.leaves(expected_masters), strict=True)
+  for got, want in pairs:
+    # An ulp of a 1e-2 update apart, or (24-bit masters) where it tips the
+    # master's rounding, a 24-bit ulp.
+    rtol = 2**-15 if masters == "24bit" else 2e-6
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-8)
   np.testing.assert_array_equal(state.applied_steps, np.full(LAYERS, len(batches)))
   np.testing.assert_array_equal(state.nonfinite_steps, np.zeros(LAYERS))
   assert state.applied_steps.dtype == jnp.int32
-
-
-RANDOM = {
-  "stochastic": mp("stochastic"),
-  "24bit + 4bit": mp("24bit", "4bit"),
-  "remainder + 8bit, skip=leaf": mp("remainder", "8bit", skip="leaf"),
-}
-
-
-@pytest.mark.slow  # 3 x 2 trainings: 10 s
-@pytest.mark.parametrize("make", RANDOM.values(), ids=RANDOM.keys())
-def test_with_random_rounding_the_first_layer_draws_the_stacked_steps_bits(make, finite_check_form):
-  # The random bits hash each element's index in its leaf: the first layer's
-  # indices are the stacked leaf's, every other layer draws the first's. After
-  # one step the first layer is the stacked step's (later, the other layers'
-  # params, which differ, reach its gradient); the others stay close.
-  params, batches = setup()
-  first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
-  one_step, _ = train_plain(make(), params, batches[:1])
-  assert tree_equal(
-    first(train_in_backward(make(), params, batches[:1])[1].params), first(one_step)
-  )
-  expected, _ = train_plain(make(), params, batches)
-  _, layers = train_in_backward(make(), params, batches)
-  moved = jax.tree.map(
-    lambda a, b: float(jnp.abs(a.astype(float) - b.astype(float)).mean()), expected, params
-  )
-  apart = jax.tree.map(
-    lambda a, b: float(jnp.abs(a.astype(float) - b.astype(float)).mean()), layers.params, expected
-  )
-  for name in params:
-    assert apart[name] < 0.1 * moved[name], (name, apart[name], moved[name])
 
 
 def gated_block(p, x):
@@ -248,7 +245,7 @@ def train_both(tx_maker, plain_loss_fn, block_fn, params, batches):
 
 
 @pytest.mark.parametrize(
-  "make", [EXACT["optax adamw"], EXACT["24bit, skip=leaf"]], ids=["adamw", "24bit"]
+  "make", [lambda: optax.adamw(1e-2), mp("24bit", skip="leaf")], ids=["adamw", "24bit"]
 )
 def test_a_linen_nn_scan_model_trains_as_its_plain_step(make):
   from flax import linen as nn
@@ -273,7 +270,7 @@ def test_a_linen_nn_scan_model_trains_as_its_plain_step(make):
 
 
 @pytest.mark.parametrize(
-  "make", [EXACT["optax adamw"], EXACT["24bit, skip=leaf"]], ids=["adamw", "24bit"]
+  "make", [lambda: optax.adamw(1e-2), mp("24bit", skip="leaf")], ids=["adamw", "24bit"]
 )
 def test_nnx_layers_train_as_their_plain_scanned_step(make):
   from flax import nnx
@@ -323,17 +320,27 @@ def test_zero1_sharded_layers_store_the_replicated_steps_bits(masters, moments):
   def loss(layers, x):
     return jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32)))
 
+  def sharded_step(batch_spec):
+    batch = NamedSharding(mesh, batch_spec)
+    return jax.jit(jax.grad(loss), in_shardings=(shardings, batch), out_shardings=shardings)
+
   replicated = stack.init(params)
+  # The state split, the batch whole: the replicated step's bits.
   sharded = jax.jit(stack.init, out_shardings=shardings)(params)
+  # The batch split too: each gradient summed over the devices' rows in
+  # another order, so close to them.
+  data_parallel = sharded
   step = jax.jit(jax.grad(loss))
-  sharded_step = jax.jit(
-    jax.grad(loss),
-    in_shardings=(shardings, NamedSharding(mesh, P("data"))),
-    out_shardings=shardings,
-  )
   for x in batches:
-    replicated, sharded = step(replicated, x), sharded_step(sharded, x)
+    replicated = step(replicated, x)
+    sharded = sharded_step(P())(sharded, x)
+    data_parallel = sharded_step(P("data"))(data_parallel, x)
   assert tree_equal(sharded, replicated)
+  pairs = zip(
+    jax.tree.leaves(data_parallel.params), jax.tree.leaves(replicated.params), strict=True
+  )
+  for a, b in pairs:
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2)
   leaf = jax.tree.leaves(sharded.inner_state)[-1]
   assert leaf.sharding.spec[0] is None
 

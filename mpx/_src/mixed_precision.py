@@ -19,6 +19,7 @@ from mpx._src import (
   compat,
   full_precision,
   leaf_skip,
+  rounding,
   state_search,
   storage,
   two_pass,
@@ -156,10 +157,16 @@ class _Step:
     Where ``step_due`` (a scalar bool) is false the step is neither applied
     nor counted as skipped (``accumulate`` between windows)."""
     mode, moments_format = self.mode, self.moments_format
+    layer = extra_args.pop(rounding.STACKED_LAYER, None)  # mpx.scan_layers' layer, for no rule
     # 1. Check the inputs against each other, and line them up leaf by leaf
     #    (at trace time; what init would build for these params is the reference).
     validation.check_mixed_precision_inputs(
       updates, state, params, unscaling is None, self.init_like
+    )
+    # Random bits count applied steps; a layer of mpx.scan_layers' stack draws
+    # the stacked leaf's bits for that layer (rounding.StackedCount).
+    count = (
+      state.applied_steps if layer is None else rounding.StackedCount(state.applied_steps, layer)
     )
     leaves = _Leaves.align(mode, self.dtype, updates, params, getattr(state, mode.stored_field))
     stored = _Stored(leaves.stored, state.inner_state)
@@ -169,13 +176,13 @@ class _Step:
     step_again = jax.tree_util.Partial(
       self._step_on_masters,
       unscaling=unscaling,
-      applied_steps=state.applied_steps,
+      applied_steps=count,
       extra_args=extra_args,
       decompress=functools.partial(moments_lib.decompressed, by_table=True),
     )
     if self.skip == "leaf":
       return self._update_by_leaf(
-        state, leaves, stored, params, unscaling, step_due, extra_args, step_again
+        state, leaves, stored, params, unscaling, step_due, extra_args, step_again, count
       )
     # 2. The verdict, on each gradient as the inner rule will receive it; with
     #    8- or 4-bit moments, on accelerators, read with their block maxima in
@@ -203,7 +210,7 @@ class _Step:
     applies = finite if step_due is None else jnp.logical_and(finite, step_due)
     # 3. The step on the masters; on a skipped step nothing is written.
     step: Callable[..., tuple[_Stored, list[Any]]] = self._step_on_masters
-    args: tuple[Any, ...] = (unscaling, state.applied_steps, extra_args)
+    args: tuple[Any, ...] = (unscaling, count, extra_args)
     if moments_format.compresses:
       step, args = self._step_with_compressed_moments, (*args, scales)
     new, handoffs, applied = verdict.run_if_finite(
@@ -248,6 +255,7 @@ class _Step:
     step_due: jax.Array | None,
     extra_args: dict[str, Any],
     step_again: Callable[..., tuple[_Stored, list[Any]]],
+    count: jax.Array | rounding.StackedCount,
   ) -> tuple[optax.Updates, Any, jax.Array]:
     """``update_fn`` with ``skip="leaf"``: the step run on every leaf, then each
     leaf's new master, moments and update kept where its gradient is finite
@@ -287,7 +295,7 @@ class _Step:
 
     # Called eagerly too, the step computes the jitted step's bits.
     on_arrays, arrays = verdict.on_array_arguments(
-      step, (stored, leaves, state.applied_steps, extra_args, step_again)
+      step, (stored, leaves, count, extra_args, step_again)
     )
     new, handoffs = on_arrays(arrays)
     applied = jnp.stack(flags).any()

@@ -755,7 +755,10 @@ class FourBitCompressed(BlockScaledKind):
     safe = jax.lax.select(jax.lax.gt(scale, np.float32(0)), scale, jnp.ones_like(scale))
     a = jax.lax.div(magnitude, safe)
     # Each element's random bits, drawn for the whole leaf.
-    random = rounding.random_bits(key, jnp.asarray(applied_steps, jnp.int32), x.shape)
+    count = applied_steps
+    if not isinstance(count, rounding.StackedCount):
+      count = jnp.asarray(count, jnp.int32)
+    random = rounding.random_bits(key, count, x.shape)
     if layout.tail:
       random = jax.lax.slice_in_dim(random, 0, layout.body, axis=x.ndim - 1)
     if signed:

@@ -315,7 +315,7 @@ def compressed(
   if others is not None and len(uncompressed) < len(flat):
     step = tree_lib.by_platform(
       cpu=functools.partial(_written_after, applied_steps, others + uncompressed),
-      accelerator=functools.partial(jnp.asarray, applied_steps),
+      accelerator=functools.partial(jax.tree.map, jnp.asarray, applied_steps),
       # An element of a sharded output would be all-gathered.
       cpu_needs_one_device=True,
     )
@@ -346,7 +346,11 @@ def _written_after(applied_steps: jax.Array, others: list[Any]) -> jax.Array:
     if not tree_lib.is_placeholder(x) and np.size(x) >= MIN_SIZE
   ]
   if not firsts:
-    return applied_steps + jnp.zeros((), jnp.int32)
-  # A reduction, computed once: a scalar made of elementwise ops alone XLA
-  # would fuse into every element of every compressed moment.
-  return applied_steps + jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
+    zero = jnp.zeros((), jnp.int32)
+  else:
+    # A reduction, computed once: a scalar made of elementwise ops alone XLA
+    # would fuse into every element of every compressed moment.
+    zero = jnp.sum(jnp.isnan(jnp.concatenate(firsts)).astype(jnp.int32))
+  if isinstance(applied_steps, rounding.StackedCount):
+    return applied_steps._replace(steps=applied_steps.steps + zero)
+  return applied_steps + zero

@@ -4,6 +4,7 @@ rounding, remainders, saturation and stochastic rounding."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,7 +152,23 @@ def leaf_key(seed: int, leaf: int) -> np.uint32:
   return np.uint32(h ^ (h >> 16))
 
 
-def random_bits(key: jax.Array, count: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+# The extra argument ``mpx.scan_layers`` passes its rule: which layer of the
+# stack the params are (an int32 scalar).
+STACKED_LAYER = "stacked_layer"
+
+
+class StackedCount(NamedTuple):
+  """The count of applied steps of a leaf that is layer ``layer`` of a leaf
+  stacked along a leading axis (``mpx.scan_layers``): :func:`random_bits`
+  draws it the bits the stacked leaf draws for that layer's elements."""
+
+  steps: jax.Array
+  layer: jax.Array
+
+
+def random_bits(
+  key: jax.Array, count: jax.Array | StackedCount, shape: tuple[int, ...]
+) -> jax.Array:
   """Returns uint32 random bits for each element of a leaf of ``shape``: a
   hash of ``(key, count, global element index)``, so no host sync and the
   same bits under any sharding."""
@@ -159,7 +176,12 @@ def random_bits(key: jax.Array, count: jax.Array, shape: tuple[int, ...]) -> jax
   # vectors were shared by XLA:GPU between same-shaped leaves, fusing their
   # rounding into kernels that wait for every such leaf's inputs.
   size = int(np.prod(shape, dtype=np.int64))
-  index = jax.lax.broadcasted_iota(U32, (size,), 0).reshape(shape)
+  index = jax.lax.broadcasted_iota(U32, (size,), 0)
+  if isinstance(count, StackedCount):  # the stacked leaf's index (uint32: it wraps alike)
+    offset = jax.lax.mul(count.layer.astype(U32), U32(size % 2**32))
+    index = jax.lax.add(index, jax.lax.broadcast(offset, (size,)))
+    count = count.steps
+  index = index.reshape(shape)
   # Three rounds of MurmurHash3's 32-bit finaliser, a bijection that mixes
   # every input bit into every output bit: of the count, of the key xor that
   # hash, and of each element's index plus the key's hash.

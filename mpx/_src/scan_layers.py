@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +14,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mpx._src import sharding, state_search, validation
+from mpx._src import rounding, sharding, state_search, validation
 from mpx._src.states import LossScaleState, ScanLayersState
 
 # The floating type of each width that carries a non-floating leaf's bits out
 # of the backward pass: a cotangent must be floating, of its primal's dtype.
+# Only moved (sliced, written), never computed with, so every bit survives.
 _CARRIERS = {1: jnp.float8_e4m3fn, 2: jnp.float16, 4: jnp.float32, 8: jnp.float64}
 
 
@@ -34,13 +36,15 @@ def scan_layers(block: Callable[[Any, Any], Any], tx: optax.GradientTransformati
   made: what ``jax.grad`` returns for it is the state after the update, not
   a gradient.
 
-  Each layer's update is its own: ``tx``'s verdict (``mpx.mixed_precision``'s
-  skip) covers that layer's gradients, and each layer's state counts its own
-  steps and skips. ``mpx.loss_scale`` is refused, since a loss scale must
-  judge the whole step. Each block's forward pass runs again in the backward
-  pass, as under ``jax.checkpoint``. docs/howto.md, "Update scanned layers in
-  the backward pass", says what else to know: the layers must reach the loss
-  through this call alone, and their random bits.
+  With an elementwise rule each layer takes the update the stacked step
+  gives it, bit for bit in its params (``mpx.mixed_precision`` draws the
+  stacked leaves' random bits for the layer). Each layer's verdict is its
+  own: ``tx``'s skip covers that layer's gradients, and each layer's state
+  counts its own steps and skips. ``mpx.loss_scale`` is refused, since a
+  loss scale must judge the whole step. Each block's forward pass runs again
+  in the backward pass, as under ``jax.checkpoint``. docs/howto.md, "Update
+  scanned layers in the backward pass", says what else to know: the layers
+  must reach the loss through this call alone, once.
 
   Args:
     block: ``block(layer_params, carry) -> carry``, one layer; the carry
@@ -60,7 +64,7 @@ def scan_layers(block: Callable[[Any, Any], Any], tx: optax.GradientTransformati
     >>> new.params.shape, bool((new.params < layers.params).all())
     ((3, 4, 4), True)
   """
-  return ScanLayers(block, tx)
+  return ScanLayers(block, optax.with_extra_args_support(tx))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +103,19 @@ class ScanLayers:
     ``mesh``'s shape) or replicated."""
     layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params)
     per_layer = sharding.zero1_shardings(self.tx, layer, mesh, axis)
-    stacked = lambda s: NamedSharding(mesh, PartitionSpec(None, *s.spec))  # noqa: E731
+
+    def stacked(leaf_sharding: NamedSharding, leaf: Any) -> NamedSharding:
+      spec = list(leaf_sharding.spec)
+      # A leaf carried several elements a float splits its last axis as the
+      # carriers divide it, or not at all.
+      width = jnp.dtype(leaf.dtype).itemsize
+      per = 1 if jnp.issubdtype(leaf.dtype, jnp.inexact) else _per_carrier(leaf.shape, width)
+      if per > 1 and len(spec) == len(leaf.shape) and spec[-1] is not None:
+        names = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)
+        if (leaf.shape[-1] // per) % math.prod(mesh.shape[name] for name in names):
+          spec[-1] = None
+      return NamedSharding(mesh, PartitionSpec(None, *spec))
+
     given = lambda x: getattr(x, "sharding", None)  # noqa: E731
     param_shardings = jax.tree.map(
       lambda x: (
@@ -107,7 +123,8 @@ class ScanLayers:
       ),
       params,
     )
-    return ScanLayersState(param_shardings, jax.tree.map(stacked, per_layer))
+    like = jax.eval_shape(self.tx.init, layer)
+    return ScanLayersState(param_shardings, jax.tree.map(stacked, per_layer, like))
 
   def _layer_state_like(self, params: Any) -> Any:
     """The abstract state ``tx.init`` makes for one layer of ``params``."""
@@ -150,7 +167,11 @@ def _refuse_mapped_axes(carry: Any) -> None:
 
 
 def _carried(state: Any) -> Any:
-  """``state`` with each non-floating leaf's bits in a floating type of its width."""
+  """``state`` with each non-floating leaf's bits in a floating type: bytes four
+  (or two) at a time along the last axis where it divides, in float32 (or
+  float16), since XLA:CPU writes float8 arrays through a wider type (a whole
+  stack converted at each layer); else one element in a floating type of its
+  width."""
 
   def carried(x: Any) -> Any:
     x = jnp.asarray(x)
@@ -158,9 +179,19 @@ def _carried(state: Any) -> Any:
       return x
     if x.dtype == jnp.bool_:
       x = x.astype(jnp.uint8)
-    return jax.lax.bitcast_convert_type(x, _CARRIERS[x.dtype.itemsize])
+    per = _per_carrier(x.shape, x.dtype.itemsize)
+    if per > 1:
+      x = x.reshape((*x.shape[:-1], x.shape[-1] // per, per))
+    return jax.lax.bitcast_convert_type(x, _CARRIERS[x.dtype.itemsize * per])
 
   return jax.tree.map(carried, state)
+
+
+def _per_carrier(shape: tuple[int, ...], width: int) -> int:
+  """How many elements of ``width`` bytes one carrier holds, along the last axis."""
+  if width != 1 or not shape:
+    return 1
+  return next((per for per in (4, 2) if shape[-1] % per == 0), 1)
 
 
 def _restored(carried: Any, like: Any) -> Any:
@@ -169,9 +200,11 @@ def _restored(carried: Any, like: Any) -> Any:
   def restored(x: Any, leaf: Any) -> Any:
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
       return x
-    if leaf.dtype == jnp.bool_:
-      return jax.lax.bitcast_convert_type(x, jnp.uint8) != 0
-    return jax.lax.bitcast_convert_type(x, leaf.dtype)
+    dtype = jnp.dtype(jnp.uint8) if leaf.dtype == jnp.bool_ else jnp.dtype(leaf.dtype)
+    bits = jax.lax.bitcast_convert_type(x, dtype)
+    if _per_carrier(leaf.shape, dtype.itemsize) > 1:
+      bits = bits.reshape((*bits.shape[:-2], bits.shape[-2] * bits.shape[-1]))
+    return bits != 0 if leaf.dtype == jnp.bool_ else bits
 
   return jax.tree.map(restored, carried, like)
 
@@ -214,7 +247,10 @@ def _backward(stack: ScanLayers, saved: Any, out_cotangent: Any) -> tuple[Any, A
     p = _index(params, i)
     _, vjp = jax.vjp(stack.block, p, _index(inputs, i))
     grads, cotangent = vjp(cotangent)
-    updates, state = stack.tx.update(grads, _restored(_index(carried, i), like), p)
+    # An mpx rule draws the stacked leaves' random bits for this layer
+    # (rounding.StackedCount); other rules ignore the extra argument.
+    extra = {rounding.STACKED_LAYER: i}
+    updates, state = stack.tx.update(grads, _restored(_index(carried, i), like), p, **extra)
     p = optax.apply_updates(p, updates)
     return (_put(params, p, i), _put(carried, _carried(state), i), cotangent), None
 
