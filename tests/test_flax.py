@@ -323,3 +323,29 @@ def test_fp8_metadata_given_to_the_optimizer_is_refused(wrap):
     tx = mpx.loss_scale(optax.adam(1e-2))
   with pytest.raises(ValueError, match=r"_overwrite_with_gradient.*docs/howto.md"):
     tx.init(variables)
+
+
+@jax_versions.requires_flax(compat.NNX_NEEDS_FLAX, "nnx Variables as pytree nodes")
+@pytest.mark.parametrize("moments", ["full", "bfloat16", "8bit", "4bit"])
+def test_an_nnx_state_of_variables_steps_as_its_pure_dict(moments):
+  # nnx.state(model, nnx.Param) holds Variables, which init fits to each state
+  # leaf (a compressed moment becomes a NamedTuple of Variables); the step
+  # runs on what they hold and gives back updates and state in Variables.
+  model = _NnxMLP(BF16, nnx.Rngs(0))
+  variables = nnx.state(model, nnx.Param)
+  pure = nnx.to_pure_dict(variables)
+  tx = mpx.mixed_precision(optax.adamw(1e-2), masters="24bit", moments=moments)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.25), variables)
+  state = tx.init(variables)
+  updates, new_state = jax.jit(tx.update)(grads, state, variables)
+  pure_updates, pure_state = jax.jit(tx.update)(nnx.to_pure_dict(grads), tx.init(pure), pure)
+  assert jax.tree.structure(updates) == jax.tree.structure(grads)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  assert all(
+    isinstance(x, nnx.Variable)
+    for x in jax.tree.leaves(
+      new_state.master_corrections, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+  )
+  _assert_bitwise(nnx.to_pure_dict(updates), pure_updates)
+  _assert_bitwise(jax.tree.leaves(new_state), jax.tree.leaves(pure_state))

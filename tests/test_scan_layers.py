@@ -245,7 +245,9 @@ def train_both(tx_maker, plain_loss_fn, block_fn, params, batches):
 
 
 @pytest.mark.parametrize(
-  "make", [lambda: optax.adamw(1e-2), mp("24bit", skip="leaf")], ids=["adamw", "24bit"]
+  "make",
+  [lambda: optax.adamw(1e-2), mp("24bit", skip="leaf"), mp("stochastic", "4bit")],
+  ids=["adamw", "24bit", "stochastic + 4bit"],
 )
 def test_a_linen_nn_scan_model_trains_as_its_plain_step(make):
   from flax import linen as nn
@@ -270,7 +272,9 @@ def test_a_linen_nn_scan_model_trains_as_its_plain_step(make):
 
 
 @pytest.mark.parametrize(
-  "make", [lambda: optax.adamw(1e-2), mp("24bit", skip="leaf")], ids=["adamw", "24bit"]
+  "make",
+  [lambda: optax.adamw(1e-2), mp("24bit", skip="leaf"), mp("stochastic", "4bit")],
+  ids=["adamw", "24bit", "stochastic + 4bit"],
 )
 def test_nnx_layers_train_as_their_plain_scanned_step(make):
   from flax import nnx

@@ -302,8 +302,10 @@ def gradient_params(params: Any) -> Any:
 def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
   """Wraps a ``mixed_precision`` ``update`` to take params, gradients and state
   in flax linen boxes (``nn.Partitioned``, e.g. a linen ``TrainState`` with
-  ``nn.with_partitioning``): it runs on the unboxed trees, and returns the
-  updates boxed like the params and the state boxed like the state it got."""
+  ``nn.with_partitioning``) or nnx ``Variable``s (an ``nnx.State`` of them, as
+  ``nnx.state(model, nnx.Param)`` gives it): it runs on the unboxed trees, and
+  returns the updates boxed like the params and the state boxed like the
+  state it got."""
 
   @functools.wraps(update_fn)
   def update(updates: Any, state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -311,13 +313,19 @@ def through_linen_boxes(update_fn: Callable[..., Any]) -> Callable[..., Any]:
     meta = sys.modules.get("flax.core.meta")  # flax not imported: no box to see
     if meta is None or params is None:
       return update_fn(updates, state, params, *args, **kwargs)
-    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    nnx = sys.modules.get("flax.nnx")
+    # From flax 0.12 an nnx Variable is a pytree node around its value, and
+    # init fits each to the state leaf it holds (variables.fit_variables): a
+    # compressed moment becomes a NamedTuple of Variables, which the step,
+    # checking the state against what init makes of bare params, would refuse.
+    boxes = (meta.AxisMetadata,) if nnx is None else (meta.AxisMetadata, nnx.Variable)
+    is_box = lambda x: isinstance(x, boxes)  # noqa: E731
     if not any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
       return update_fn(updates, state, params, *args, **kwargs)
     new_updates, new_state, *rest = update_fn(
-      without_linen_boxes(updates),
-      without_linen_boxes(state),
-      without_linen_boxes(params),
+      without_linen_boxes(updates, is_box),
+      without_linen_boxes(state, is_box),
+      without_linen_boxes(params, is_box),
       *args,
       **kwargs,
     )
@@ -338,9 +346,10 @@ def has_linen_boxes(tree: Any) -> bool:
   return any(is_linen_box(x) for x in jax.tree.leaves(tree, is_leaf=is_linen_box))
 
 
-def without_linen_boxes(tree: Any) -> Any:
-  """Returns ``tree`` with every flax linen box replaced by what it holds."""
-  return jax.tree.map(lambda x: unboxed(x) if is_linen_box(x) else x, tree, is_leaf=is_linen_box)
+def without_linen_boxes(tree: Any, is_box: Callable[[Any], bool] = is_linen_box) -> Any:
+  """Returns ``tree`` with every flax linen box (or what ``is_box`` tells)
+  replaced by what it holds."""
+  return jax.tree.map(lambda x: unboxed(x) if is_box(x) else x, tree, is_leaf=is_box)
 
 
 def boxed_like(boxed: Any, tree: Any) -> Any:
@@ -350,6 +359,8 @@ def boxed_like(boxed: Any, tree: Any) -> Any:
 
 
 def unboxed(box: Any) -> Any:
-  """Returns what a linen box holds, with no sharding constraint (``nn.Partitioned``
-  applies one under a mesh)."""
+  """Returns what a linen box (or an nnx ``Variable``) holds, with no sharding
+  constraint (``nn.Partitioned`` applies one under a mesh)."""
+  if hasattr(box, "get_value"):  # an nnx Variable
+    return box.get_value()
   return box.value if hasattr(box, "value") else box.unbox()
