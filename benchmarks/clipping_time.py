@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +26,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import mpx  # noqa: E402
+from benchmarks import common  # noqa: E402
 from benchmarks.model import ModelSize, init_params, loss_fn, make_batch  # noqa: E402
 
 MAX_NORM = 1.0
@@ -77,15 +76,7 @@ def measure(size: ModelSize, rounds: int) -> dict[str, float]:
   for name, (tx, two_pass) in steps().items():
     p = jax.tree.map(jax.numpy.copy, params)
     runs[name] = [make_step(size, tx, two_pass), p, tx.init(p)]
-  times: dict[str, list[float]] = {name: [] for name in runs}
-  for round_ in range(rounds + 2):  # two warm-up rounds, the first compiles
-    for name, run in runs.items():
-      start = time.perf_counter()
-      run[1], run[2] = run[0](run[1], run[2], inputs, targets)
-      jax.block_until_ready(run[1])
-      if round_ >= 2:
-        times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
+  return common.in_turns(runs, rounds, inputs, targets)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,7 +25,7 @@ from benchmarks.machine import machine_info
 
 __all__ = [
   "Case", "Timings", "bytes_accessed", "check_host_syncs", "compile_seconds", "finish_run",
-  "flat_state", "hlo_profile", "interleaved_times", "machine_info", "median",
+  "flat_state", "hlo_profile", "in_turns", "interleaved_times", "machine_info", "median",
   "one_element_read_bytes", "page_bytes", "peak_bytes", "steps_per_round", "tree_bytes",
   "warm_up",
 ]  # fmt: skip
@@ -358,3 +358,19 @@ def compile_seconds(cases: Sequence[Case], repeats: int, seed: int = 0) -> dict[
 def tree_bytes(tree: PyTree) -> int:
   """Counts the bytes of a tree's arrays."""
   return int(sum(np.dtype(x.dtype).itemsize * np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def in_turns(runs: dict[str, list[Any]], rounds: int, *inputs: Any) -> dict[str, float]:
+  """Returns each run's median seconds over ``rounds`` rounds that call every
+  run once, after two warm-up rounds (the first compiles). A run is ``[step,
+  a, b]``, called as ``a, b = step(a, b, *inputs)`` (its params and state,
+  donated)."""
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for round_ in range(rounds + 2):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      run[1], run[2] = run[0](run[1], run[2], *inputs)
+      jax.block_until_ready(run[1])
+      if round_ >= 2:
+        times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}

@@ -282,6 +282,8 @@ def metrics(run: dict[str, Any], ref: dict[str, Any], steps: int) -> dict[str, f
     "nu bias": float(np.mean(run["nu"][positive] / ref["nu"][positive])),
     "dir cos": cosine(d, d_ref),
     "dir err": rel(d, d_ref),
+    # Jensen: noise in either moment makes |mu / sqrt(nu)| larger on average.
+    "dir size": float(np.mean(np.abs(d)) / np.mean(np.abs(d_ref))),
     "upd cos": cosine(run["update"], ref["update"]),
     "upd err": rel(run["update"], ref["update"]),
     "zeros end": int(run["zeros_end"]),

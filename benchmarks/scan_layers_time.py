@@ -8,16 +8,15 @@ respect to its layers returns them updated), for optax adamw and two mpx
 modes. Timed in turns (a round times every step once) on this machine; each
 step's median over the rounds, and ``mpx.scan_layers``' relative to the plain
 step with the same rule, measured in the same run.
-``python benchmarks/scan_layers_time.py [--rounds 20 --blocks 8 --width 256 --batch 64]``.
+``python benchmarks/scan_layers_time.py [--rounds 20 --blocks 8 --width 256 --batch 64]``
+(``--smoke``: a tiny stack, three rounds).
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +30,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import mpx  # noqa: E402
+from benchmarks import common  # noqa: E402
 from benchmarks.whole_step import Model  # noqa: E402
 
 
@@ -80,15 +80,7 @@ def measure(model: Model, rounds: int) -> dict[str, float]:
     stack = mpx.scan_layers(block, make())
     layers = stack.init(jax.tree.map(jnp.copy, params))
     runs[f"{name}, mpx.scan_layers"] = [layered_step(stack), layers, None]
-  times: dict[str, list[float]] = {name: [] for name in runs}
-  for round_ in range(rounds + 2):  # two warm-up rounds, the first compiles
-    for name, run in runs.items():
-      start = time.perf_counter()
-      run[1], run[2] = run[0](run[1], run[2], x)
-      jax.block_until_ready(run[1])
-      if round_ >= 2:
-        times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
+  return common.in_turns(runs, rounds, x)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,9 +89,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--blocks", type=int, default=8)
   parser.add_argument("--width", type=int, default=256)
   parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--smoke", action="store_true", help="a tiny model, three rounds")
   args = parser.parse_args(argv)
   model = Model(args.blocks, args.width, args.batch, scanned=True)
-  medians = measure(model, args.rounds)
+  if args.smoke:
+    model = Model(2, 32, 4, scanned=True)
+  medians = measure(model, 3 if args.smoke else args.rounds)
   print(
     f"{model.blocks} MLP blocks of width {model.width}, batch {model.batch}, scanned: "
     f"{model.params / 1e6:.1f}M bfloat16 params; jax {jax.__version__}, "

@@ -526,3 +526,15 @@ def test_clipping_time_prints_each_step_relative_to_clipping_in_the_rule():
   ], stdout
   assert rows[3][2].strip() == "1.00", stdout
   assert all(float(cells[1]) > 0 for cells in rows[1:]), stdout
+
+
+def test_scan_layers_time_prints_each_rule_against_its_plain_scanned_step():
+  stdout = run_smoke(ROOT / "benchmarks" / "scan_layers_time.py")
+  rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| ")]
+  assert [cells[0].strip() for cells in rows[1:]] == [
+    "optax adamw",
+    "mpx 24bit + 4bit moments",
+    "mpx stochastic + 4bit moments",
+  ], stdout
+  for _, plain, layered, relative in (cells for cells in rows[1:]):
+    assert float(relative) == pytest.approx(float(layered) / float(plain), abs=0.05), stdout

@@ -44,12 +44,13 @@ def setup(dtype=jnp.bfloat16, seed=0):
   return params, batches
 
 
-def train_plain(tx, params, batches):
+def train_plain(tx, params, batches, loss=plain_loss):
+  """The plain scanned step: ``jax.grad``, then ``tx`` on the stacked params."""
   state = tx.init(params)
 
   @jax.jit
   def step(params, state, x):
-    updates, state = tx.update(jax.grad(plain_loss)(params, x), state, params)
+    updates, state = tx.update(jax.grad(loss)(params, x), state, params)
     return optax.apply_updates(params, updates), state
 
   for x in batches:
@@ -57,8 +58,9 @@ def train_plain(tx, params, batches):
   return params, state
 
 
-def train_in_backward(tx, params, batches, poison=None):
-  stack = mpx.scan_layers(block, tx)
+def train_in_backward(tx, params, batches, layer=block):
+  """``mpx.scan_layers(layer, tx)``'s step: the layers updated in the backward scan."""
+  stack = mpx.scan_layers(layer, tx)
   layers = stack.init(params)
 
   def loss(layers, x):
@@ -219,29 +221,9 @@ def test_refuses_a_loss_scale_and_layers_without_one_leading_axis():
 
 
 def train_both(tx_maker, plain_loss_fn, block_fn, params, batches):
-  """The plain scanned step and scan_layers' step, from the same params."""
-
-  def plain_train(params):
-    tx = tx_maker()
-    state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, x):
-      updates, state = tx.update(jax.grad(plain_loss_fn)(params, x), state, params)
-      return optax.apply_updates(params, updates), state
-
-    for x in batches:
-      params, state = step(params, state, x)
-    return params
-
-  stack = mpx.scan_layers(block_fn, tx_maker())
-  layers = stack.init(params)
-  step = jax.jit(
-    jax.grad(lambda layers, x: jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32))))
-  )
-  for x in batches:
-    layers = step(layers, x)
-  return plain_train(params), layers.params
+  """The params after the plain scanned step's training and after scan_layers'."""
+  expected, _ = train_plain(tx_maker(), params, batches, plain_loss_fn)
+  return expected, train_in_backward(tx_maker(), params, batches, block_fn)[1].params
 
 
 @pytest.mark.parametrize(

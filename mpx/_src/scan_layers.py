@@ -101,7 +101,7 @@ class ScanLayers:
     across ``axis`` as :func:`mpx.zero1_shardings` splits it, the layer axis
     kept whole on every device; the params as given (a ``NamedSharding`` on
     ``mesh``'s shape) or replicated."""
-    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params)
+    layer = _one_layer(params)
     per_layer = sharding.zero1_shardings(self.tx, layer, mesh, axis)
 
     def stacked(leaf_sharding: NamedSharding, leaf: Any) -> NamedSharding:
@@ -128,8 +128,12 @@ class ScanLayers:
 
   def _layer_state_like(self, params: Any) -> Any:
     """The abstract state ``tx.init`` makes for one layer of ``params``."""
-    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params)
-    return jax.eval_shape(self.tx.init, layer)
+    return jax.eval_shape(self.tx.init, _one_layer(params))
+
+
+def _one_layer(params: Any) -> Any:
+  """One layer of the stacked ``params``, abstract."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params)
 
 
 def _layer_count(params: Any) -> int:
