@@ -294,7 +294,7 @@ def decompressed(stored_inner: Any, by_table: bool = False) -> Any:
 def compressed(
   moments_format: MomentsFormat,
   new_inner: Any,
-  applied_steps: jax.Array,
+  applied_steps: jax.Array | rounding.StackedCount,
   others: list[Any] | None = None,
   scales: list[jax.Array | None] | None = None,
 ) -> Any:
@@ -332,7 +332,9 @@ def compressed(
   return jax.tree.unflatten(treedef, stored)
 
 
-def _written_after(applied_steps: jax.Array, others: list[Any]) -> jax.Array:
+def _written_after(
+  applied_steps: jax.Array | rounding.StackedCount, others: list[Any]
+) -> jax.Array | rounding.StackedCount:
   """Returns ``applied_steps`` plus zero, read from one element of each of the
   step's other outputs.
 
