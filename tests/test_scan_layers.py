@@ -379,3 +379,22 @@ def test_on_an_h100_the_step_holds_a_layer_not_the_stack():
     held[blocks] = layered.transient
   assert held[8] <= 1.3
   assert held[32] <= held[8] / 2.5
+
+
+def test_the_layers_checkpoint_with_orbax_as_they_are(tmp_path):
+  # Float leaves only: the carried bits come back as saved, and the next step
+  # is the one an unsaved run takes.
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params, batches = setup()
+  stack, layers = train_in_backward(mp("stochastic", "4bit")(), params, batches[:2])
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", layers)
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(tmp_path / "ckpt", stack.init(params))
+  assert tree_equal(restored, layers)
+
+  def loss(layers, x):
+    return jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32)))
+
+  step = jax.jit(jax.grad(loss))
+  assert tree_equal(step(restored, batches[2]), step(layers, batches[2]))
