@@ -411,3 +411,18 @@ def test_the_layers_checkpoint_with_orbax_as_they_are(tmp_path):
 
   step = jax.jit(jax.grad(loss))
   assert tree_equal(step(restored, batches[2]), step(layers, batches[2]))
+
+
+@pytest.mark.parametrize(
+  "masters, moments, skip", [("24bit", "4bit", "leaf"), ("stochastic", "8bit", "step")]
+)
+def test_an_eager_step_stores_the_jitted_steps_bits(masters, moments, skip):
+  params, batches = setup()
+  stack = mpx.scan_layers(block, mp(masters, moments, skip)())
+  layers = stack.init(params)
+
+  def loss(layers, x):
+    return jnp.mean(jnp.square(stack(layers, x).astype(jnp.float32)))
+
+  eager = jax.grad(loss)(layers, batches[0])
+  assert tree_equal(eager, jax.jit(jax.grad(loss))(layers, batches[0]))
