@@ -93,8 +93,7 @@ class ScanLayers:
   def inner_state(self, layers: ScanLayersState) -> Any:
     """Returns ``tx``'s stacked state as ``tx`` holds it: the non-floating
     leaves that ``layers.inner_state`` carries as floating bits restored."""
-    like = jax.eval_shape(jax.vmap(self.tx.init), layers.params)
-    return _restored(layers.inner_state, like)
+    return _restored(layers.inner_state, self._layer_state_like(layers.params))
 
   def zero1_shardings(self, params: Any, mesh: Any, axis: str | None = "data") -> ScanLayersState:
     """Returns shardings for :meth:`init`'s state: each layer's state split
@@ -199,7 +198,8 @@ def _per_carrier(shape: tuple[int, ...], width: int) -> int:
 
 
 def _restored(carried: Any, like: Any) -> Any:
-  """The inverse of :func:`_carried`, given the state's abstract leaves."""
+  """The inverse of :func:`_carried`, given the state's abstract leaves (one
+  layer's: only their dtypes and last axes are read, which stacking keeps)."""
 
   def restored(x: Any, leaf: Any) -> Any:
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
