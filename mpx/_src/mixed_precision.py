@@ -416,7 +416,13 @@ class _Step:
       stored, leaves, unscaling, applied_steps, extra_args, moments_lib.decompressed
     )
     others = jax.tree.leaves([new.per_param, handoffs])
-    store = functools.partial(moments_lib.compressed, self.moments_format, new.inner, applied_steps)
+    store = functools.partial(
+      moments_lib.compressed,
+      self.moments_format,
+      new.inner,
+      applied_steps,
+      previous=stored.inner,
+    )
     if scales is None:
       inner = store(others)
     else:  # the accelerator's second pass; XLA:CPU's program codes in one pass

@@ -383,6 +383,14 @@ def _round(a: jax.Array, levels: np.ndarray, u: jax.Array) -> jax.Array:
   return index
 
 
+def _signed(index: jax.Array, negative: jax.Array) -> jax.Array:
+  """The signed 4-bit code of a magnitude ``index`` (0 to 7): the sign bit set
+  where ``negative`` and the magnitude is not 0."""
+  negative = jax.lax.bitwise_and(negative, jax.lax.gt(index, np.int32(0)))
+  sign_bit = jax.lax.mul(negative.astype(jnp.int32), np.int32(_SIGN_BIT))
+  return jax.lax.bitwise_or(index, sign_bit)
+
+
 def _select_level(index: jax.Array, table: np.ndarray) -> jax.Array:
   """``table[index]`` for a small constant table (a power of two long), as a
   tree of selects on the bits of ``index``: for 8 entries 7 selects on 3 bit
@@ -718,10 +726,14 @@ class FourBitCompressed(BlockScaledKind):
     applied_steps: jax.Array,
     key: Any = None,
     scales: jax.Array | None = None,
+    previous: FourBitMoment | None = None,
   ) -> FourBitMoment:
     """As :meth:`BlockScaledKind.compress`; an odd row's last element
     (the last entry of each row of ``scales``) is taken from ``value`` whatever
-    is given."""
+    is given. The signed code, given the ``previous`` stored moment that
+    ``value`` replaces, rounds each element to nearest where that changes its
+    code, and stochastically only where nearest would keep the old code (a
+    move of less than half a level, which to nearest would stall)."""
     x = jnp.asarray(value, jnp.float32)
     signed = self.sign == "signed"
     layout = _Layout.of(x.shape)
@@ -766,12 +778,15 @@ class FourBitCompressed(BlockScaledKind):
       # vectorize on CPU.
       uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
       u = jax.lax.mul(uniform.astype(jnp.float32), np.float32(2.0**-24))
-      index = _round(a, SIGNED_LEVELS_4BIT, u)
-      negative = jax.lax.bitwise_and(
-        jax.lax.lt(body, np.float32(0)), jax.lax.gt(index, np.int32(0))
-      )
-      sign_bit = jax.lax.mul(negative.astype(jnp.int32), np.int32(_SIGN_BIT))
-      codes = jax.lax.bitwise_or(index, sign_bit)
+      negative = jax.lax.lt(body, np.float32(0))
+      codes = _signed(_round(a, SIGNED_LEVELS_4BIT, u), negative)
+      if previous is not None:
+        # Stochastic rounding's noise, which a slow average accumulates, only
+        # where to nearest it would stall (docs/moment_codes.md, "4 bits").
+        nearest = _signed(_round(a, SIGNED_LEVELS_4BIT, jnp.full_like(u, 0.5)), negative)
+        unpack = functools.partial(_unpack, per=layout.per)
+        old = tree_lib.by_platform(previous.codes, cpu=unpack, accelerator=_unpack_by_bitcast)
+        codes = jax.lax.select(jax.lax.eq(nearest, old), codes, nearest)
     else:
       # The float-like code (``_float_level``). Above 1 (a scale an ulp below
       # its largest element) to the top; 0 only for a body element <= 0, read

@@ -297,6 +297,7 @@ def compressed(
   applied_steps: jax.Array | rounding.StackedCount,
   others: list[Any] | None = None,
   scales: list[jax.Array | None] | None = None,
+  previous: Any = None,
 ) -> Any:
   """Returns the stored form of the inner rule's new state: a leaf with an
   entry in ``scales`` (the accelerator's second pass, against the block
@@ -306,7 +307,8 @@ def compressed(
   init, nothing to follow). Eagerly (an init outside ``jit``) each leaf is
   coded in one jitted call (``tree.jitted_when_eager``), the leaf's key an
   argument rather than a constant, so that one compile serves every leaf of
-  a shape."""
+  a shape. ``previous``: the stored inner state the new one replaces (None:
+  none), which 4-bit codes read (:meth:`FourBitCompressed.compress`)."""
   flat, treedef = jax.tree.flatten(new_inner)
   kinds: list[Any] = moments_format.kinds(new_inner)
   against = [None] * len(flat) if scales is None else scales
@@ -319,10 +321,16 @@ def compressed(
       # An element of a sharded output would be all-gathered.
       cpu_needs_one_device=True,
     )
+  olds = [None] * len(flat)
+  if previous is not None:
+    olds = jax.tree.leaves(previous, is_leaf=is_compressed)
   stored = []
-  for kind, value, scale in zip(kinds, flat, against, strict=True):
+  for kind, value, scale, old in zip(kinds, flat, against, olds, strict=True):
     if not kind.compressed:  # stored as the inner rule made it
       stored.append(value)
+      continue
+    if old is not None and isinstance(kind, FourBitCompressed):
+      stored.append(kind.compress(value, step, scales=scale, previous=old))
       continue
     if scale is not None:
       stored.append(kind.compress(value, step, scales=scale))
