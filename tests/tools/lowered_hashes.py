@@ -4,7 +4,8 @@
 form (the process's own, the GPU's, several devices') and each mode, the
 sha256 of the step's and of init's StableHLO text;
 ``python tests/tools/lowered_hashes.py OUT.json --against BEFORE.json``
-also prints each entry that differs and exits 1 if any does.
+also prints each entry that differs and exits 1 if any does; ``--skip leaf``
+hashes the ``skip="leaf"`` steps instead.
 """
 
 from __future__ import annotations
@@ -52,15 +53,18 @@ def digest(tx: optax.GradientTransformation, tree: Any) -> list[str]:
   return [hashlib.sha256(text.encode()).hexdigest() for text in texts]
 
 
-def hashes() -> dict[str, list[str]]:
-  """Every entry: ``form|masters|moments`` and the fp16 loss-scaled steps."""
+def hashes(skip: str = "step") -> dict[str, list[str]]:
+  """Every entry: ``form|masters|moments`` (with ``skip``) and, for
+  ``skip="step"``, the fp16 loss-scaled steps."""
   out = {}
   for form in FORMS:
     with forced(form):
       for masters in MASTERS:
         for moments in MOMENTS:
-          tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments)
+          tx = mpx.mixed_precision(optax.adamw(1e-3), masters=masters, moments=moments, skip=skip)
           out[f"{form}|{masters}|{json.dumps(moments)}"] = digest(tx, params())
+      if skip == "leaf":  # loss_scale refuses skip="leaf"
+        continue
       for moments in ("full", "8bit"):
         tx = mpx.loss_scale(mpx.mixed_precision(optax.adamw(1e-3), moments=moments))
         out[f"{form}|fp16 loss_scale|{moments}"] = digest(tx, params(jnp.float16))
@@ -71,8 +75,9 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("out")
   parser.add_argument("--against", help="a file an earlier run wrote")
+  parser.add_argument("--skip", choices=("step", "leaf"), default="step")
   args = parser.parse_args()
-  out = hashes()
+  out = hashes(args.skip)
   Path(args.out).write_text(json.dumps(out, indent=0) + "\n")
   print(f"{len(out)} programs hashed ({jax.device_count()} devices)")
   if args.against is None:
