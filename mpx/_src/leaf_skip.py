@@ -37,12 +37,15 @@ def kept_by_param(
   flags: Sequence[jax.Array],
   shared: jax.Array | None,
   is_leaf: Callable[[Any], bool] | None = None,
+  select: Callable[[jax.Array, Any, Any], Any] | None = None,
 ) -> Any:
   """The inner state ``new`` where its param's flag holds, else ``old``.
 
   A state leaf belongs to the param whose path its own path ends with (the
   longest such: Adam's ``mu['w']`` is ``w``'s); ``is_leaf`` marks subtrees
-  kept whole (a compressed moment). A leaf of no param (Adam's count, a
+  kept whole (a compressed moment), which the accelerators' program keeps
+  by ``select(flag, new, old)`` where given (``two_pass.kept``, as the
+  default step's select does). A leaf of no param (Adam's count, a
   schedule's step) is stepped where ``shared`` holds (None: always) and, if
   floating, it is finite: a flag read from every gradient would make every
   leaf's update wait for all of them (the count is read by each).
@@ -54,6 +57,12 @@ def kept_by_param(
     where = jax.tree_util.keystr(path)
     owner = next((i for i in longest_first if where.endswith(keys[i])), None)
     if owner is not None:
+      if select is not None and is_leaf is not None and is_leaf(n):
+        # Selected as bytes, XLA:GPU wrote each new 4-bit moment's codes out
+        # and held many leaves' at once (0.86 B/param with float32 masters).
+        return tree_lib.by_platform(
+          flags[owner], n, o, cpu=tree_lib.select_tree, accelerator=select
+        )
       return tree_lib.select_tree(flags[owner], n, o)
     floating = [x for x in jax.tree.leaves(n) if tree_lib.is_floating(x)]
     if not floating:

@@ -306,7 +306,13 @@ class _Step:
     per_param, handoffs = leaf_skip.stalls_read_with(per_param, handoffs)
     paths, _, _ = _flatten(params)
     inner = leaf_skip.kept_by_param(
-      new.inner, stored.inner, paths, flags, step_due, is_leaf=moments_lib.is_compressed
+      new.inner,
+      stored.inner,
+      paths,
+      flags,
+      step_due,
+      is_leaf=moments_lib.is_compressed,
+      select=two_pass.kept if self.moments_format.block_scaled else None,
     )
     param_updates = [
       kind.param_update(s, h, p, f)
