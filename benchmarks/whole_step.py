@@ -203,6 +203,9 @@ def rows(every_mode: bool = True) -> list[Step]:
       Step(f"{name}, skip=leaf, mpx.clipped_grad", mp("24bit", f, skip="leaf"), clip=1.0),
       Step(f"{name}, skip=leaf, clip_by_block_rms", mp("24bit", f, rms_then_adamw, skip="leaf")),
     ]
+  for masters in ("remainder", "stochastic"):  # 4-bit moments clipped in two passes
+    name = f"mpx {masters} + 4bit moments, skip=leaf, mpx.clipped_grad"
+    steps.append(Step(name, mp(masters, "4bit", skip="leaf"), clip=1.0))
   steps.append(Step("mpx.scan_layers(optax adamw)", lambda: optax.adamw(1e-3)))
   for masters in SWEEP_MASTERS:
     for moments in SWEEP_MOMENTS if every_mode else FOUR_BIT:
