@@ -36,21 +36,18 @@ def first_pass(
   commits each leaf (``mixed_precision._Step._step_on_masters``, its old
   moments read by ``moments.decompressed(..., by_table=True)``), returning ``(stored,
   handoffs)``, the inner rule's new state as it made it. It runs here on its
-  inputs behind ``lax.optimization_barrier``, which XLA does not look
-  through, so that it cannot merge this computation of the new moments with
-  the step's (CSE would: one new moment read by the maxima, the update and
-  the coder is what XLA:GPU writes out in float32); only the maxima are
-  kept, the rest is dead code. Each gradient read with
+  inputs behind ``lax.optimization_barrier`` (the gradients excepted:
+  :func:`maxima_by_leaf` says why), which XLA does not look through, so
+  that it cannot merge this computation of the new moments with the step's
+  (CSE would: one new moment read by the maxima, the update and the coder
+  is what XLA:GPU writes out in float32); only the maxima are kept, the rest
+  is dead code. Each gradient read with
   moments (:func:`block_maxima`) is checked in their reduction, as the inner
   rule receives it (the verdict's rule, ``verdict.gradients_finite``); the
   others by ``gradients_finite``; the two agreed across the axis at once.
   """
-  flat, treedef = jax.tree.flatten((stored, leaves))
-  arrays = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
-  barred = jax.lax.optimization_barrier([flat[i] for i in arrays])
-  for i, x in zip(arrays, barred, strict=True):
-    flat[i] = x
-  stored_once, leaves_once = jax.tree.unflatten(treedef, flat)
+  stored_once, params, kept = jax.lax.optimization_barrier((stored, leaves.params, leaves.stored))
+  leaves_once = dataclasses.replace(leaves, params=params, stored=kept)
   new, handoffs = inner_step(stored_once, leaves_once)
   received = [
     verdict.received(g, d, unscaling)
@@ -74,14 +71,14 @@ def first_pass(
     alone,
   )
   # The 24-bit masters' stall check (a sample of each leaf's update) is read
-  # here too, and tied to the maxima that the step waits for: read after the
-  # step, it would read params the step overwrites in place (XLA copies them).
+  # here too, and tied to the maxima and the verdict that the step waits for:
+  # read after the step, it would read params the step overwrites in place
+  # (XLA copies them; the verdict orders the leaves that have no maxima).
+  finite = verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name)
   stalled = storage.any_stalled(handoffs)
   if stalled is None:
-    stalled = jnp.zeros((), bool)
-  else:
-    scales, stalled = jax.lax.optimization_barrier((scales, stalled))
-  return verdict.agreed(jnp.logical_and(rest_finite, read_finite), axis_name), scales, stalled
+    return finite, scales, jnp.zeros((), bool)
+  return jax.lax.optimization_barrier((finite, scales, stalled))
 
 
 def maxima_by_leaf(
@@ -95,11 +92,14 @@ def maxima_by_leaf(
   verdict and no stall check, and each array behind a barrier of its own, so
   that a leaf's maxima wait for its own gradient alone, not for every
   gradient (one barrier over all of them would hold the whole gradient)."""
-  flat, treedef = jax.tree.flatten((stored, leaves))
-  flat = [
-    jax.lax.optimization_barrier(x) if isinstance(x, jax.Array | np.ndarray) else x for x in flat
-  ]
-  new, _ = inner_step(*jax.tree.unflatten(treedef, flat))
+  # Not the gradients: behind a barrier, a gradient the step computes
+  # (mpx.clipped_grad's, clipped in float32) is written out whole, and XLA:GPU
+  # computed every one before any leaf's update (2.25 B/param of transient
+  # with 24-bit masters, 0.28 now). The other arrays' barriers keep this
+  # computation of the new moments apart from the step's.
+  barred = jax.tree.map(jax.lax.optimization_barrier, (stored, leaves.params, leaves.stored))
+  stored, params, kept = barred
+  new, _ = inner_step(stored, dataclasses.replace(leaves, params=params, stored=kept))
   # Each param's moments reduced together, as without skip="leaf" but with
   # no gradient: apart, XLA:GPU reads the old codes and the gradient once
   # for each moment whose blocks differ in size (per field: 8-bit blocks of
