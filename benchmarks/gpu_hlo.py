@@ -180,6 +180,9 @@ def profile(compiled: Any) -> Profile:
   return Profile(conditionals, kernels, copies, copied, total, scratch)
 
 
+_SLICING = ("dynamic-slice", "dynamic-update-slice")
+
+
 def _in_place(
   computations: dict, rest: str, operand_types: list[str]
 ) -> tuple[float, list[float]] | None:
@@ -200,11 +203,9 @@ def _in_place(
   read, sliced = [], False
   for i, operand_type in enumerate(operand_types):
     uses = users.get(params.get(i, ""), [])
-    if uses and all(op == "dynamic-slice" and k == 0 for op, k, _ in uses):
-      read.append(sum(type_bytes(t) for _, _, t in uses))
-      sliced = True
-    elif uses and all(op == "dynamic-update-slice" and k == 0 for op, k, _ in uses):
-      read.append(0)
+    if uses and all(op in _SLICING and k == 0 for op, k, _ in uses):
+      # Its slices read; an update's slice written (below), in place.
+      read.append(sum(type_bytes(t) for op, _, t in uses if op == "dynamic-slice"))
       sliced = True
     else:
       read.append(type_bytes(operand_type))

@@ -261,3 +261,27 @@ def test_a_reduction_of_a_slice_reads_the_slice_alone(called, expected):
   computations = gpu_hlo._computations(SLICED_REDUCE)
   rest = f"%a, %b), kind=kInput, calls=%{called}"
   assert gpu_hlo._sliced_elements(computations, "f32[]", rest) == expected
+
+
+# A scan body's in-place update of one layer of a stacked f32[8,16,32] array:
+# it reads that layer's slice and writes it back, not the whole stack.
+IN_PLACE_UPDATE = """
+%fused_dynamic_update_slice (param_0: f32[8,16,32], param_1: f32[1,16,32], param_2: s32[]) -> f32[8,16,32] {
+  %param_0 = f32[8,16,32]{2,1,0} parameter(0)
+  %param_1 = f32[1,16,32]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %constant.1 = s32[] constant(0)
+  %dynamic_slice.1 = f32[1,16,32]{2,1,0} dynamic-slice(%param_0, %param_2, %constant.1, %constant.1), dynamic_slice_sizes={1,16,32}
+  %add.1 = f32[1,16,32]{2,1,0} add(%dynamic_slice.1, %param_1)
+  ROOT %dynamic_update_slice.1 = f32[8,16,32]{2,1,0} dynamic-update-slice(%param_0, %add.1, %param_2, %constant.1, %constant.1)
+}
+"""
+
+
+def test_an_in_place_update_of_a_slice_moves_the_slice_alone():
+  computations = gpu_hlo._computations(IN_PLACE_UPDATE)
+  rest = "%stack, %update, %i), kind=kLoop, calls=%fused_dynamic_update_slice"
+  types = ["f32[8,16,32]{2,1,0}", "f32[1,16,32]{2,1,0}", "s32[]"]
+  slice_bytes = 16 * 32 * 4
+  written, read = gpu_hlo._in_place(computations, rest, types)
+  assert (written, read) == (slice_bytes, [slice_bytes, slice_bytes, 4])
