@@ -266,21 +266,21 @@ def test_a_reduction_of_a_slice_reads_the_slice_alone(called, expected):
 # A scan body's in-place update of one layer of a stacked f32[8,16,32] array:
 # it reads that layer's slice and writes it back, not the whole stack.
 IN_PLACE_UPDATE = """
-%fused_dynamic_update_slice (param_0: f32[8,16,32], param_1: f32[1,16,32], param_2: s32[]) -> f32[8,16,32] {
-  %param_0 = f32[8,16,32]{2,1,0} parameter(0)
-  %param_1 = f32[1,16,32]{2,1,0} parameter(1)
-  %param_2 = s32[] parameter(2)
-  %constant.1 = s32[] constant(0)
-  %dynamic_slice.1 = f32[1,16,32]{2,1,0} dynamic-slice(%param_0, %param_2, %constant.1, %constant.1), dynamic_slice_sizes={1,16,32}
-  %add.1 = f32[1,16,32]{2,1,0} add(%dynamic_slice.1, %param_1)
-  ROOT %dynamic_update_slice.1 = f32[8,16,32]{2,1,0} dynamic-update-slice(%param_0, %add.1, %param_2, %constant.1, %constant.1)
+%fused_dus (p0: f32[8,16,32], p1: f32[1,16,32], p2: s32[]) -> f32[8,16,32] {
+  %p0 = f32[8,16,32]{2,1,0} parameter(0)
+  %p1 = f32[1,16,32]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  %ds = f32[1,16,32]{2,1,0} dynamic-slice(%p0, %p2, %c, %c), dynamic_slice_sizes={1,16,32}
+  %add = f32[1,16,32]{2,1,0} add(%ds, %p1)
+  ROOT %dus = f32[8,16,32]{2,1,0} dynamic-update-slice(%p0, %add, %p2, %c, %c)
 }
 """
 
 
 def test_an_in_place_update_of_a_slice_moves_the_slice_alone():
   computations = gpu_hlo._computations(IN_PLACE_UPDATE)
-  rest = "%stack, %update, %i), kind=kLoop, calls=%fused_dynamic_update_slice"
+  rest = "%stack, %update, %i), kind=kLoop, calls=%fused_dus"
   types = ["f32[8,16,32]{2,1,0}", "f32[1,16,32]{2,1,0}", "s32[]"]
   slice_bytes = 16 * 32 * 4
   written, read = gpu_hlo._in_place(computations, rest, types)

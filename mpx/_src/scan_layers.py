@@ -15,7 +15,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mpx._src import rounding, sharding, state_search, validation
-from mpx._src.states import LossScaleState, ScanLayersState
+from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState, ScanLayersState
 
 # The floating type of each width that carries a non-floating leaf's bits out
 # of the backward pass: a cotangent must be floating, of its primal's dtype.
@@ -245,6 +245,15 @@ def _backward(stack: ScanLayers, saved: Any, out_cotangent: Any) -> tuple[Any, A
   them in place (a scan's outputs would be new stacked arrays)."""
   layers, inputs = saved
   like = stack._layer_state_like(layers.params)
+  # An mpx rule stores a layer narrower than it computes it (float32 masters
+  # as remainders or corrections, moments as codes). XLA:GPU writes a layer's
+  # new value out before copying it into the stack wherever that value has
+  # several readers (it does not compute one from several slices twice), and
+  # then in float32 (1.28 B/param with 24-bit masters and 4-bit moments at 8
+  # layers, 0.91 behind the barrier); behind a barrier it writes the new
+  # layer as stored: its share of what the step keeps (docs/design.md,
+  # "Compiler workarounds").
+  as_stored = bool(state_search.find_states(like, MIXED_PRECISION_STATES))
 
   def layer_step(loop: Any, i: jax.Array) -> tuple[Any, None]:
     params, carried, cotangent = loop
@@ -255,8 +264,9 @@ def _backward(stack: ScanLayers, saved: Any, out_cotangent: Any) -> tuple[Any, A
     # (rounding.StackedCount); other rules ignore the extra argument.
     extra = {rounding.STACKED_LAYER: i}
     updates, state = stack.tx.update(grads, _restored(_index(carried, i), like), p, **extra)
-    p = optax.apply_updates(p, updates)
-    return (_put(params, p, i), _put(carried, _carried(state), i), cotangent), None
+    new = (optax.apply_updates(p, updates), _carried(state))
+    p, state = jax.lax.optimization_barrier(new) if as_stored else new
+    return (_put(params, p, i), _put(carried, state, i), cotangent), None
 
   n = _layer_count(layers.params)
   loop = (layers.params, layers.inner_state, out_cotangent)
