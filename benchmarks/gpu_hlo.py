@@ -167,7 +167,9 @@ def profile(compiled: Any) -> Profile:
       if name in bodies:  # a loop body's fusion may read and write slices in place
         in_place = _in_place(computations, rest, [types.get(o, "") for o in operands])
       if in_place is not None:
-        written, read = in_place
+        written, in_place_read = in_place
+        # Each operand's slices, or at most the sliced elements computed.
+        read = [min(a, b) for a, b in zip(read, in_place_read, strict=True)]
         result = ""
       else:
         written = 0

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+from unittest import mock
 
 import pytest
 
@@ -285,3 +286,38 @@ def test_an_in_place_update_of_a_slice_moves_the_slice_alone():
   slice_bytes = 16 * 32 * 4
   written, read = gpu_hlo._in_place(computations, rest, types)
   assert (written, read) == (slice_bytes, [slice_bytes, slice_bytes, 4])
+
+
+# A scan body's fusion that samples a strided slice of one layer of a stack
+# (the 24-bit stall check's sample, the layers laid end to end): it reads
+# the 32 sampled elements of the layer, not the layer's 512.
+SAMPLED_LAYER = """
+%sample (p0: f32[64,32], p1: s32[]) -> f32[4,8] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = f32[16,32]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={16,32}
+  ROOT %s = f32[4,8]{1,0} slice(%ds), slice={[0:16:4], [0:32:4]}
+}
+
+%body (t: (s32[], f32[64,32])) -> (s32[], f32[64,32]) {
+  %t = (s32[], f32[64,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[64,32]{1,0} get-tuple-element(%t), index=1
+  %f = f32[4,8]{1,0} fusion(%x, %i), kind=kLoop, calls=%sample
+  ROOT %r = (s32[], f32[64,32]{1,0}) tuple(%i, %x)
+}
+
+ENTRY %main (a: (s32[], f32[64,32])) -> (s32[], f32[64,32]) {
+  %a = (s32[], f32[64,32]{1,0}) parameter(0)
+  ROOT %w = (s32[], f32[64,32]) while(%a), body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_sample_of_a_layer_in_a_loop_reads_the_sample_alone():
+  compiled = mock.Mock()
+  compiled.as_text.return_value = SAMPLED_LAYER
+  compiled.memory_analysis.return_value.temp_size_in_bytes = 0
+  sample = 4 * 8 * 4  # bytes, read once and written once; the index, 4 bytes
+  assert gpu_hlo.profile(compiled).bytes == 4 * (sample + sample + 4)
