@@ -350,11 +350,7 @@ def _written_after(
   the kernels that read the old moment, which XLA:CPU would otherwise meet
   with a copy (docs/design.md, "Compiler workarounds").
   """
-  firsts = [
-    jnp.ravel(x)[:1].astype(jnp.float32)
-    for x in others
-    if not tree_lib.is_placeholder(x) and np.size(x) >= MIN_SIZE
-  ]
+  firsts = [jnp.ravel(x)[:1].astype(jnp.float32) for x in others if np.size(x) >= MIN_SIZE]
   if not firsts:
     zero = jnp.zeros((), jnp.int32)
   else:
