@@ -321,3 +321,22 @@ def test_a_sample_of_a_layer_in_a_loop_reads_the_sample_alone():
   compiled.memory_analysis.return_value.temp_size_in_bytes = 0
   sample = 4 * 8 * 4  # bytes, read once and written once; the index, 4 bytes
   assert gpu_hlo.profile(compiled).bytes == 4 * (sample + sample + 4)
+
+
+def test_xla_updates_a_stack_in_place_where_each_new_slice_has_one_reader():
+  """What ``benchmarks/scan_in_place.py`` prints and docs/design.md's
+  ``mpx.scan_layers`` row relies on (scratch in layer slices): two arrays,
+  each updated from its own slice of the stack, in place where the layer axis
+  is kept and written out where it is squeezed away; a third computed from
+  both new values writes those two out either way."""
+  require_cuda_compiler()
+  from benchmarks import scan_in_place
+
+  topo = gpu_variants.topology()
+  slices = {
+    (updated, squeeze): scan_in_place.scratch_in_slices(updated, squeeze, topo)
+    for updated, squeeze in ((2, False), (2, True), (3, False))
+  }
+  assert slices[2, False] < 0.01, slices
+  assert slices[2, True] == pytest.approx(2, abs=0.01), slices
+  assert slices[3, False] == pytest.approx(2, abs=0.01), slices
