@@ -14,8 +14,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mpx._src import rounding, sharding, state_search, validation
-from mpx._src.states import MIXED_PRECISION_STATES, LossScaleState, ScanLayersState
+from mpx._src import rounding, sharding, state_search, validation, verdict
+from mpx._src.states import LossScaleState, ScanLayersState
 
 # The floating type of each width that carries a non-floating leaf's bits out
 # of the backward pass: a cotangent must be floating, of its primal's dtype.
@@ -245,15 +245,11 @@ def _backward(stack: ScanLayers, saved: Any, out_cotangent: Any) -> tuple[Any, A
   them in place (a scan's outputs would be new stacked arrays)."""
   layers, inputs = saved
   like = stack._layer_state_like(layers.params)
-  # An mpx rule stores a layer narrower than it computes it (float32 masters
-  # as remainders or corrections, moments as codes). XLA:GPU writes a layer's
-  # new value out before copying it into the stack wherever that value has
-  # several readers (it does not compute one from several slices twice), and
-  # then in float32 (1.28 B/param with 24-bit masters and 4-bit moments at 8
-  # layers, 0.91 behind the barrier); behind a barrier it writes the new
-  # layer as stored: its share of what the step keeps (docs/design.md,
+  # An mpx rule stores a layer narrower than it computes it, and XLA:GPU
+  # writes out a new value with several readers before copying it into the
+  # stack: behind a barrier in its stored form, else in float32 (docs/design.md,
   # "Compiler workarounds").
-  as_stored = bool(state_search.find_states(like, MIXED_PRECISION_STATES))
+  as_stored = verdict.holds_mixed_precision(like)
 
   def layer_step(loop: Any, i: jax.Array) -> tuple[Any, None]:
     params, carried, cotangent = loop
