@@ -17,9 +17,10 @@ torch. Without that Python its row is left out.
 The formats: mpx's 8-bit and 4-bit codes (as ``moments="8bit"`` and
 ``"4bit"`` store them), the 4-bit code with ``mu`` rounded stochastically
 throughout (as before the signed code rounded to nearest where that changes
-its code), the 4-bit ``nu`` on the paper's linear map ``k / 15`` instead (in
-the same blocks), 8-bit ``mu`` with 4-bit ``nu``, each 4-bit moment alone
-with the other in float32, and torchao.
+its code), with ``nu`` rounded unbiased (as before it kept each value's log
+on average), the 4-bit ``nu`` on the paper's linear map ``k / 15`` instead
+(in the same blocks), 8-bit ``mu`` with 4-bit ``nu``, each 4-bit moment
+alone with the other in float32, and torchao.
 
 Printed per stream and format, after the last step: the relative error (``|c
 - f|_2 / |f|_2``) of the stored ``mu`` and ``nu`` against float32 Adam's;
@@ -31,13 +32,8 @@ the bytes per element of ``mu`` and ``nu`` together. Then the direction and
 update errors as ratios to torchao's and to mpx's 8-bit, and a summary of
 every stream.
 
-Measured (jax 0.10.2, torch 2.14.1, torchao 0.18.0, 2-core CPU, defaults),
-direction error on t(1.5), t(2.5), t(5), t(30): mpx's 4-bit (1.06 bytes an
-element for both moments) 0.669, 0.543, 0.452, 0.441 (``mu`` rounded
-stochastically throughout: 0.754, 0.642, 0.550, 0.535); torchao's AdamW4bit
-(1.06) 0.766, 0.527, 0.551, 0.354; 8-bit ``mu`` with 4-bit ``nu`` (1.55)
-0.365, 0.244, 0.253, 0.252; 8 bits (2.03) 0.085, 0.084, 0.060, 0.047. No
-format stored a positive ``nu`` as zero.
+What it measured (jax 0.10.2, torch 2.14.1, torchao 0.18.0, 2-core CPU,
+defaults) is docs/moment_codes.md's table, "4 bits".
 
 Run: ``.venv/bin/python benchmarks/moment_codes_4bit_error.py [--df 2.5]
 [--steps 200] [--shape 512x1024] [--torch-python /path/to/python]``; about
@@ -99,9 +95,11 @@ def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
   """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"`` (mpx's
   kind, as ``moments="4bit"`` codes it, the previous stored moment given),
   ``"4bit stochastic"`` (the same kind, no previous moment given: stochastic
-  rounding throughout, as before 0.x), or ``"4bit linear"`` (the 4-bit
-  nonnegative blocks on the paper's map, k / 15, by a table of levels:
-  ``moment_codes_error.coder``)."""
+  rounding throughout, as before 0.x), ``"4bit unbiased"`` (the 4-bit
+  nonnegative levels and blocks, each value rounded unbiased rather than its
+  log, as before 0.x) or ``"4bit linear"`` (the 4-bit nonnegative blocks on
+  the paper's map, k / 15); those two by a table of levels
+  (``moment_codes_error.coder``)."""
   if name == "f32":
     return (lambda x, key, step, previous: x), (lambda s: s)
   if name in ("4bit", "4bit stochastic"):
@@ -116,6 +114,8 @@ def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
     encode, decode = table_coder(None, sign, stochastic)
   elif name == "4bit linear" and sign == "nonnegative":
     encode, decode = table_coder(np.arange(16) / np.float32(15), sign, stochastic, True)
+  elif name == "4bit unbiased" and sign == "nonnegative":
+    encode, decode = table_coder(mc.NONNEGATIVE_LEVELS_4BIT, sign, stochastic, True)
   else:
     raise ValueError(name)
   return (lambda x, key, step, previous: encode(x, key, step)), decode
@@ -154,6 +154,7 @@ FORMATS = (
   Format("mpx 8bit", ("8bit", STOCHASTIC), ("8bit", STOCHASTIC)),
   Format("mpx 4bit", ("4bit", STOCHASTIC), ("4bit", STOCHASTIC)),
   Format("mpx 4bit, mu stochastic", ("4bit stochastic", STOCHASTIC), ("4bit", STOCHASTIC)),
+  Format("mpx 4bit, nu unbiased", ("4bit", STOCHASTIC), ("4bit unbiased", STOCHASTIC)),
   Format("mpx 4bit, nu linear k/15", ("4bit", STOCHASTIC), ("4bit linear", STOCHASTIC)),
   Format("mpx 8bit mu + 4bit nu", ("8bit", STOCHASTIC), ("4bit", STOCHASTIC)),
   Format("mpx 4bit mu, f32 nu", ("4bit", STOCHASTIC), ("f32", NEAREST)),

@@ -416,21 +416,27 @@ def test_jit_equals_eager(sign, shape):
 
 
 @pytest.mark.parametrize("sign", mc.SIGNS)
-def test_stochastic_rounding_is_unbiased_and_deterministic(sign):
+def test_stochastic_rounding_keeps_the_mean_signed_the_mean_log_nonnegative(sign):
+  # Signed codes round unbiased; nonnegative ones keep each value's log on
+  # average (docs/moment_codes.md, "4 bits"), which the value's own mean
+  # would not: rounded unbiased, the mean log falls 5% of a gap short.
   x = moment((4, 1024), sign, seed=7)
   encode, decode = coder(sign)
   steps = jnp.arange(64, dtype=jnp.int32)
   draws = np.asarray(jax.vmap(lambda t: decode(encode(jnp.asarray(x), KEY, t)))(steps))
-  scale = ref_scales(x)
-  a = np.abs(x) / scale
-  levels = signed_map() if sign == "signed" else float_map()[1:]
-  unit = spacing(np.maximum(a, levels[0]), levels) * scale
-  inside = a > 0 if sign == "signed" else a >= SMALLEST
+  _, low, _, high, near_level = ref_neighbours(x, sign)
+  a = np.abs(x) / ref_scales(x)
+  inside = (a > 0 if sign == "signed" else a >= SMALLEST) & (low != high) & ~near_level
+  kept = (lambda v: v) if sign == "signed" else (lambda v: np.log(np.where(v > 0, v, 1.0)))
   # Each draw is one of the two levels around x: the mean of 64 has a standard
   # deviation of at most 1/16 of their gap, and of all 4096 * 64, 1/1024.
-  deviation = (draws.mean(0) - x)[inside] / unit[inside]
+  unit = np.abs(kept(high) - kept(low))[inside]
+  deviation = (kept(draws).mean(0) - kept(x))[inside] / unit
   assert np.all(np.abs(deviation) < 0.5)
   assert abs(deviation.mean()) < 0.01
+  levels = signed_map() if sign == "signed" else float_map()[1:]
+  scale = ref_scales(x)
+  unit = spacing(np.maximum(a, levels[0]), levels) * scale
   # Random: an element between two levels takes both over 64 steps.
   off_level = np.abs(a[..., None] - levels).min(-1) * scale > 1e-3 * unit
   between = inside & off_level
@@ -453,7 +459,10 @@ def test_a_slow_average_decays_with_float32_s_and_never_stalls(sign, decay, give
   # element keeps its input at 1 (it holds the block's scale), the others'
   # stops after 100 steps. To nearest, their steps fall between the levels and
   # they stall; stochastically they decay with float32's, every row on its own
-  # draws.
+  # draws: as a rule reads them, a first moment's mean, a second moment's
+  # mean 1 / sqrt (with each draw's log kept, the mean itself ends twice
+  # float32's here, among levels 2x apart; kept unbiased, the mean 1 / sqrt
+  # ended 1.47 times float32's).
   rows, n = 64, 64 if sign == "signed" else 128
   inputs = np.full((rows, n), 0.3 if sign == "signed" else 0.5, np.float32)
   inputs[:, 0] = 1.0
@@ -474,7 +483,8 @@ def test_a_slow_average_decays_with_float32_s_and_never_stalls(sign, decay, give
   peak = inputs[0, 1] * (1 - decay**100)
   assert exact.mean() < 0.25 * peak if sign == "signed" else exact.mean() < 0.2 * peak
   # ... and the stored one with it: within 10% on average, far below the peak.
-  assert abs(got.mean() / exact.mean() - 1) < 0.1, (got.mean(), exact.mean())
+  read = (lambda v: v) if sign == "signed" else (lambda v: 1 / np.sqrt(v))
+  assert abs(read(got).mean() / read(exact).mean() - 1) < 0.1, (got.mean(), exact.mean())
 
 
 def nearest_codes(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -647,6 +657,36 @@ def test_the_error_benchmark_ranks_the_formats_as_the_docs_say(tmp_path):
   size = {name: float(row["dir size"]) for name, row in rows.items()}
   assert abs(size["mpx 4bit"] - 1) < abs(size["mpx 4bit, mu stochastic"] - 1)
   assert all(int(row["zeros sum"]) == 0 for row in rows.values())
+
+
+@pytest.mark.slow
+def test_on_the_demo_s_gradients_4_bit_moments_make_updates_of_float32_s_size():
+  """benchmarks/demo_update_size.py at 200 steps: fed FP32 AdamW's gradients
+  along its own run of the demo, a 4-bit state's updates are as large as
+  FP32's within 3% once the warmup is past (a 4-bit ``nu`` rounded unbiased
+  made them 6% to 7% larger, as a larger learning rate would:
+  docs/moment_codes.md, "4 bits")."""
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  script = root / "benchmarks" / "demo_update_size.py"
+  out = subprocess.run(
+    [sys.executable, str(script), "--steps", "200"],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=root,
+  ).stdout
+  sizes = {}
+  for line in out.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if line.startswith("| ") and cells[0] in ("8bit", "4bit", "nu 4bit", "mu 8bit, nu 4bit"):
+      sizes[cells[0]] = [float(c) for c in cells[2:5]]  # the last three quarters
+  assert len(sizes) == 4, out
+  for name, quarters in sizes.items():
+    assert all(abs(q - 1) < 0.03 for q in quarters), (name, quarters)
 
 
 @pytest.mark.parametrize("sign", mc.SIGNS)
