@@ -50,9 +50,10 @@ def bounds_summary(tolerance: float | None = None, min_gap: float | None = None)
       within.setdefault(r.tolerance if tolerance is None else tolerance, []).append(r.name)
     if r.worse_by is not None:
       worse.setdefault(r.worse_by if min_gap is None else min_gap, []).append(r.name)
-  gaps = [f"{_names(names)} at most {bound:.1%}" for bound, names in within.items()]
+  gaps = [f"{_names(names)} within {bound:.1%}" for bound, names in within.items()]
   if gaps:
-    gaps[0] = gaps[0].replace(" at most ", " end at most ", 1) + " above FP32's validation loss"
+    gaps[0] = gaps[0].replace(" within ", " end within ", 1) + " of FP32's validation loss"
+    gaps[-1] += ", above or below"
   claims = [
     ", ".join(gaps),
     *(f"{_names(names)} more than {bound:.1%} above it" for bound, names in worse.items()),
