@@ -58,16 +58,22 @@ def test_adamw_state_bytes_per_parameter(masters, moments, at_most):
 @pytest.mark.slow
 def test_4bit_moments_stay_near_float32_adam_and_never_zero_a_positive_nu():
   """The stream of tests/test_moments.py's 8-bit test (rows 1000x apart), 900
-  steps: ``nu`` within 10% of float32's on every row's average; ``mu``
-  (8 levels, rounded stochastically) within 2 gradient RMS anywhere and 0.3
-  on average; no positive ``nu`` decoded to zero; and no drift: the errors
-  settle (measured: ``mu`` 1.33 and 0.20 after 300 steps, 1.11 and 0.13
-  after 900; rows' ``nu`` 0.93 to 1.07)."""
+  steps: what Adam reads of ``nu``, ``1 / sqrt(nu)``, within 7% of float32's
+  on every row's average, and ``nu`` itself less than 35% high (rounded
+  unbiased in its log, it runs high by what offsets its noise:
+  docs/moment_codes.md, "4 bits"); ``mu`` (8 levels, rounded stochastically)
+  within 2 gradient RMS anywhere and 0.3 on average; no positive ``nu``
+  decoded to zero; and no drift: the errors settle (measured: ``mu`` 1.33
+  and 0.20 after 300 steps, 1.11 and 0.13 after 900; rows' ``1 / sqrt(nu)``
+  0.94 to 1.03 and ``nu`` 1.11 to 1.29; rounded unbiased, 1.04 to 1.13 and
+  0.92 to 1.06)."""
   mu_errors = []
   for want, got in adam_beside_float32_adam("4bit", [300] * 3):
     want_nu, got_nu = np.asarray(want.nu["w"]), np.asarray(got.nu["w"])
     assert np.all(got_nu > 0)
-    np.testing.assert_allclose((got_nu / want_nu).mean(axis=1), 1.0, atol=0.1)
+    read = (1 / np.sqrt(got_nu)).mean(axis=1) / (1 / np.sqrt(want_nu)).mean(axis=1)
+    np.testing.assert_allclose(read, 1.0, atol=0.07)
+    assert np.all((got_nu / want_nu).mean(axis=1) < 1.35)
     mu_err = np.abs(np.asarray(got.mu["w"]) - np.asarray(want.mu["w"])) / np.sqrt(want_nu)
     assert mu_err.max() < 2.0 and mu_err.mean() < 0.3
     mu_errors.append(mu_err.mean())
