@@ -72,14 +72,15 @@ def measure(steps: int, seed: int = 0) -> dict[str, np.ndarray]:
     grads = jax.grad(lambda p: lm.token_losses(model, p, tokens).mean())(params)
     updates, state = fp32.update(grads, state, params)
     reference = compressed(updates)
+    reference_l1 = sum(jnp.abs(b).sum() for b in reference)
+    reference_l2 = sum(jnp.square(b).sum() for b in reference)
     figures, new_states = {}, {}
     for name, tx in shadows.items():
       shadow, new_states[name] = tx.update(grads, shadow_states[name], params)
       mine = compressed(shadow)
-      size = sum(jnp.abs(a).sum() for a in mine) / sum(jnp.abs(b).sum() for b in reference)
+      size = sum(jnp.abs(a).sum() for a in mine) / reference_l1
       error = sum(jnp.square(a - b).sum() for a, b in zip(mine, reference, strict=True))
-      error = jnp.sqrt(error / sum(jnp.square(b).sum() for b in reference))
-      figures[name] = jnp.stack([size, error])
+      figures[name] = jnp.stack([size, jnp.sqrt(error / reference_l2)])
     return optax.apply_updates(params, updates), state, new_states, figures
 
   history: dict[str, list[np.ndarray]] = {name: [] for name in FORMATS}

@@ -425,20 +425,20 @@ def test_stochastic_rounding_keeps_the_mean_signed_the_mean_log_nonnegative(sign
   steps = jnp.arange(64, dtype=jnp.int32)
   draws = np.asarray(jax.vmap(lambda t: decode(encode(jnp.asarray(x), KEY, t)))(steps))
   _, low, _, high, near_level = ref_neighbours(x, sign)
-  a = np.abs(x) / ref_scales(x)
+  scale = ref_scales(x)
+  a = np.abs(x) / scale
   inside = (a > 0 if sign == "signed" else a >= SMALLEST) & (low != high) & ~near_level
   kept = (lambda v: v) if sign == "signed" else (lambda v: np.log(np.where(v > 0, v, 1.0)))
   # Each draw is one of the two levels around x: the mean of 64 has a standard
   # deviation of at most 1/16 of their gap, and of all 4096 * 64, 1/1024.
-  unit = np.abs(kept(high) - kept(low))[inside]
-  deviation = (kept(draws).mean(0) - kept(x))[inside] / unit
+  kept_gap = np.abs(kept(high) - kept(low))[inside]
+  deviation = (kept(draws).mean(0) - kept(x))[inside] / kept_gap
   assert np.all(np.abs(deviation) < 0.5)
   assert abs(deviation.mean()) < 0.01
   levels = signed_map() if sign == "signed" else float_map()[1:]
-  scale = ref_scales(x)
-  unit = spacing(np.maximum(a, levels[0]), levels) * scale
+  gap = spacing(np.maximum(a, levels[0]), levels) * scale
   # Random: an element between two levels takes both over 64 steps.
-  off_level = np.abs(a[..., None] - levels).min(-1) * scale > 1e-3 * unit
+  off_level = np.abs(a[..., None] - levels).min(-1) * scale > 1e-3 * gap
   between = inside & off_level
   assert between.sum() > 500
   assert (draws.min(0) < draws.max(0))[between].mean() > 0.95
