@@ -358,9 +358,8 @@ def one_stream(args: argparse.Namespace, df: float) -> dict[str, tuple[float, di
   print(f"|:{'-' * 31}-|{'-' * 12}:|" + "|".join("-" * 18 + ":" for _ in head) + "|")
   for label, (nbytes, m) in rows.items():
     ratios = [m[what] / rows[b][1][what] for b in bases for what in ("dir err", "upd err")]
-    print(
-      f"| {label:31} | {nbytes / 8:>11.3f} | " + " | ".join(f"{r:>17.3f}" for r in ratios) + " |"
-    )
+    cells = " | ".join(f"{r:>17.3f}" for r in ratios)
+    print(f"| {label:31} | {nbytes / 8:>11.3f} | {cells} |")
   return rows
 
 

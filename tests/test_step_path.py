@@ -72,3 +72,17 @@ def test_the_compressed_steps_read_no_more_modules_and_functions_than_today(step
   files, functions = COMPRESSED_CEILINGS[step]
   assert len(path.files) <= files, path.files
   assert len(path.functions) <= functions, len(path.functions)
+
+
+def test_module_docstrings_public_docstrings_and_benchmark_files_stay_within_their_limits():
+  # Issue 48's limits: a module says its one job in a line or few; the long
+  # story is in docs/, and a benchmark that outgrows a file is two.
+  module_total, public = maintainability.docstrings(ROOT)
+  assert module_total <= 80, module_total
+  assert [(n, name) for n, name in public if n > 45] == []
+  long_files = [
+    (p.name, n)
+    for p in sorted((ROOT / "benchmarks").glob("*.py"))
+    if (n := len(p.read_text().splitlines())) > 400
+  ]
+  assert long_files == []
