@@ -8,8 +8,8 @@ prints per format the validation-loss gap to FP32 over the seeds: its mean
 its standard deviation (the spread that the stored moments' rounding noise
 adds to a run; each seed also seeds the rounding). The 24-bit masters alone
 (float32 moments) show the floor: what bfloat16 forward and backward passes
-and 24-bit masters leave. docs/moment_codes.md, "Which moments for which
-budget", shows a run.
+and 24-bit masters leave. docs/concepts_masters.md, "Which moments to
+pick", shows a run.
 
 Run: ``python benchmarks/demo_spread.py [--seeds 0,1,2,3,4]`` (about 2 minutes
 a seed on 2 cores).
