@@ -7,13 +7,10 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import cli_output
 import numpy as np
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Minutes in all: behind the marker; CI runs them with `pytest -m slow`.
 pytestmark = pytest.mark.slow
@@ -108,16 +105,10 @@ def test_demo_spread_trains_the_demo_s_row_with_each_moments_format(smoke):
   # benchmarks/demo_spread.py rebuilds the `bf16 24bit + 4bit moments` row
   # with other moments: with "4bit" it must land where the demo's own row
   # did (the same seed, preset and bits), and each format keep its bytes.
-  env = {k: v for k, v in os.environ.items() if k not in ("MPX_SMOKE", "XLA_FLAGS")}
-  script = ROOT / "benchmarks" / "demo_spread.py"
-  command = [sys.executable, str(script), "--smoke", "--seeds", "0", "--formats", "4bit,full"]
-  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  script = cli_output.BENCHMARKS / "demo_spread.py"
+  result = cli_output.run_script(script, "--smoke", "--seeds", "0", "--formats", "4bit,full")
   assert result.returncode == 0, result.stderr[-4000:]
-  rows = {
-    cells[1].strip(): [c.strip() for c in cells[2:-1]]
-    for line in result.stdout.splitlines()
-    if line.startswith("| ") and len(cells := line.split("|")) == 8
-  }
+  rows = cli_output.markdown_rows(result.stdout)
   assert list(rows) == ["moments (24-bit masters)", "4bit", "full"], result.stdout
   demo_row = table_rows(smoke[0].stdout)["bf16 24bit + 4bit moments"]
   assert rows["4bit"][4] == demo_row[GAP].rstrip("%")

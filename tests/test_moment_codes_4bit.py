@@ -10,6 +10,7 @@ time, others (1026, 11008, 4098) a byte at a time: both layouts are tested."""
 
 import functools
 
+import cli_output
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -632,25 +633,13 @@ def test_the_error_benchmark_ranks_the_formats_as_the_docs_say(tmp_path):
   with mu rounded to nearest where it moves than stochastically throughout,
   and the direction's mean size closer to float32's; no positive nu is
   stored as zero (docs/moment_codes.md, "4 bits")."""
-  import subprocess
-  import sys
-  from pathlib import Path
-
-  root = Path(__file__).resolve().parents[1]
-  script = root / "benchmarks" / "moment_codes_4bit_error.py"
+  script = cli_output.BENCHMARKS / "moment_codes_4bit_error.py"
   args = ["--steps", "60", "--shape", "128x512", "--df", "2.5"]
-  args += ["--workdir", str(tmp_path), "--torch-python", ""]
-  out = subprocess.run(
-    [sys.executable, str(script), *args], capture_output=True, text=True, check=True, cwd=root
-  ).stdout
-  rows = {}
-  lines = [line for line in out.splitlines() if line.startswith("| ")]
-  header = [c.strip() for c in lines[0].strip("|").split("|")]
-  for line in lines[1:]:
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    if cells[0] in rows or len(cells) != len(header):
-      break  # the ratio table starts again with a header
-    rows[cells[0]] = dict(zip(header, cells, strict=True))
+  result = cli_output.run_script(script, *args, "--workdir", str(tmp_path), "--torch-python", "")
+  assert result.returncode == 0, result.stderr[-4000:]
+  table = cli_output.markdown_rows(result.stdout)  # the first: per format, after the last step
+  (_, header), *formats = table.items()
+  rows = {name: dict(zip(header, cells, strict=True)) for name, cells in formats}
   direction = {name: float(row["dir err"]) for name, row in rows.items()}
   assert direction["mpx 8bit"] < direction["mpx 8bit mu + 4bit nu"] < direction["mpx 4bit"]
   assert direction["mpx 4bit"] < 0.9 * direction["mpx 4bit, mu stochastic"]
@@ -666,25 +655,12 @@ def test_on_the_demo_s_gradients_4_bit_moments_make_updates_of_float32_s_size():
   FP32's within 3% once the warmup is past (a 4-bit ``nu`` rounded unbiased
   made them 6% to 7% larger, as a larger learning rate would:
   docs/moment_codes.md, "4 bits")."""
-  import subprocess
-  import sys
-  from pathlib import Path
-
-  root = Path(__file__).resolve().parents[1]
-  script = root / "benchmarks" / "demo_update_size.py"
-  out = subprocess.run(
-    [sys.executable, str(script), "--steps", "200"],
-    capture_output=True,
-    text=True,
-    check=True,
-    cwd=root,
-  ).stdout
-  sizes = {}
-  for line in out.splitlines():
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    if line.startswith("| ") and cells[0] in ("8bit", "4bit", "nu 4bit", "mu 8bit, nu 4bit"):
-      sizes[cells[0]] = [float(c) for c in cells[2:5]]  # the last three quarters
-  assert len(sizes) == 4, out
+  result = cli_output.run_script(cli_output.BENCHMARKS / "demo_update_size.py", "--steps", "200")
+  assert result.returncode == 0, result.stderr[-4000:]
+  rows = cli_output.markdown_rows(result.stdout)
+  names = ("8bit", "4bit", "nu 4bit", "mu 8bit, nu 4bit")
+  assert set(names) <= set(rows), result.stdout
+  sizes = {name: [float(c) for c in rows[name][1:4]] for name in names}  # the last 3 quarters
   for name, quarters in sizes.items():
     assert all(abs(q - 1) < 0.03 for q in quarters), (name, quarters)
 
