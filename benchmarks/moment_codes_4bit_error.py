@@ -19,8 +19,9 @@ The formats: mpx's 8-bit and 4-bit codes (as ``moments="8bit"`` and
 throughout (as before the signed code rounded to nearest where that changes
 its code), with ``nu`` rounded unbiased (as before it kept each value's log
 on average), the 4-bit ``nu`` on the paper's linear map ``k / 15`` instead
-(in the same blocks), 8-bit ``mu`` with 4-bit ``nu``, each 4-bit moment
-alone with the other in float32, and torchao.
+(in the same blocks) or on levels spread over each block's range
+(``range_codes.py``, a code mpx does not store), 8-bit ``mu`` with 4-bit
+``nu``, each 4-bit moment alone with the other in float32, and torchao.
 
 Printed per stream and format, after the last step: the relative error (``|c
 - f|_2 / |f|_2``) of the stored ``mu`` and ``nu`` against float32 Adam's;
@@ -32,8 +33,7 @@ the bytes per element of ``mu`` and ``nu`` together. Then the direction and
 update errors as ratios to torchao's and to mpx's 8-bit, and a summary of
 every stream.
 
-What it measured (jax 0.10.2, torch 2.14.1, torchao 0.18.0, 2-core CPU,
-defaults) is docs/moment_codes.md's table, "4 bits".
+docs/moment_codes.md's table ("4 bits") is a run: jax 0.10.2, torchao 0.18.0, 2-core CPU.
 
 Run: ``.venv/bin/python benchmarks/moment_codes_4bit_error.py [--df 2.5]
 [--steps 200] [--shape 512x1024] [--torch-python /path/to/python]``; about
@@ -69,6 +69,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is a package of the checkout
   sys.path.insert(0, str(ROOT))
 
+from benchmarks import range_codes  # noqa: E402
 from benchmarks.moment_codes_error import coder as table_coder  # noqa: E402
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -92,14 +93,12 @@ Decode = Callable[[Any], Array]
 
 
 def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
-  """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"`` (mpx's
-  kind, as ``moments="4bit"`` codes it, the previous stored moment given),
-  ``"4bit stochastic"`` (the same kind, no previous moment given: stochastic
-  rounding throughout, as before 0.x), ``"4bit unbiased"`` (the 4-bit
-  nonnegative levels and blocks, each value rounded unbiased rather than its
-  log, as before 0.x) or ``"4bit linear"`` (the 4-bit nonnegative blocks on
-  the paper's map, k / 15); those two by a table of levels
-  (``moment_codes_error.coder``)."""
+  """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"`` (as
+  ``moments="4bit"`` codes it, given the previous stored moment), ``"4bit
+  stochastic"`` (not given it), ``"4bit unbiased"`` (4-bit levels, each value
+  rounded unbiased rather than its log) or ``"4bit linear"`` (on k / 15),
+  those two by a table (``moment_codes_error.coder``), or ``"4bit range"``
+  (``range_codes.py``): the module's docstring says which is which."""
   if name == "f32":
     return (lambda x, key, step, previous: x), (lambda s: s)
   if name in ("4bit", "4bit stochastic"):
@@ -110,6 +109,8 @@ def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
         x, step, key, previous=previous if given else None
       )
     ), kind.decompress
+  if name == "4bit range" and sign == "nonnegative":
+    return range_codes.coder()
   if name == "8bit":
     encode, decode = table_coder(None, sign, stochastic)
   elif name == "4bit linear" and sign == "nonnegative":
@@ -124,8 +125,8 @@ def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
 def bytes_of(name: str, sign: mc.Sign, shape: tuple[int, ...]) -> float:
   """The bytes a moment stored as ``name`` takes per element: for 8 and 4 bits,
   the codes and float32 scales (an odd row's last element among them)."""
-  if name == "f32":
-    return 4.0
+  if name in ("f32", "4bit range"):
+    return 4.0 if name == "f32" else range_codes.bytes_per_element(shape)
   kind = mc.EightBitCompressed(0, sign) if name == "8bit" else mc.FourBitCompressed(0, sign)
   like, step = jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
   stored = jax.eval_shape(kind.compress, like, step)
@@ -156,12 +157,13 @@ FORMATS = (
   Format("mpx 4bit, mu stochastic", ("4bit stochastic", STOCHASTIC), ("4bit", STOCHASTIC)),
   Format("mpx 4bit, nu unbiased", ("4bit", STOCHASTIC), ("4bit unbiased", STOCHASTIC)),
   Format("mpx 4bit, nu linear k/15", ("4bit", STOCHASTIC), ("4bit linear", STOCHASTIC)),
+  Format("mpx 4bit, nu range levels", ("4bit", STOCHASTIC), ("4bit range", STOCHASTIC)),
   Format("mpx 8bit mu + 4bit nu", ("8bit", STOCHASTIC), ("4bit", STOCHASTIC)),
+  Format("8bit mu + nu range levels", ("8bit", STOCHASTIC), ("4bit range", STOCHASTIC)),
   Format("mpx 4bit mu, f32 nu", ("4bit", STOCHASTIC), ("f32", NEAREST)),
   Format("mpx f32 mu, 4bit nu", ("f32", NEAREST), ("4bit", STOCHASTIC)),
 )
-# The rows of the summary over the streams.
-SUMMARY = ("mpx 8bit", "mpx 4bit", "mpx 8bit mu + 4bit nu", "torchao AdamW4bit")
+SUMMARY = (*(f.label for f in FORMATS), "torchao AdamW4bit")  # the rows over the streams
 
 
 def run_jax(stream: np.ndarray, formats: tuple[Format, ...]) -> dict[str, dict[str, Any]]:
@@ -331,12 +333,11 @@ def one_stream(args: argparse.Namespace, df: float) -> dict[str, tuple[float, di
   start = time.time()
   runs = run_jax(stream, FORMATS)
   print(f"jax formats: {time.time() - start:.0f} s", file=sys.stderr)
-  rows: dict[str, tuple[float, dict[str, float]]] = {}
-  for f in FORMATS:
-    rows[f.label] = (f.bytes(shape), metrics(runs[f.label], runs["float32"], args.steps))
+  rows = {
+    f.label: (f.bytes(shape), metrics(runs[f.label], runs["float32"], args.steps)) for f in FORMATS
+  }
   if torch_result is not None:
-    block = int(torch_result["block_size"])
-    ao_bytes = 2 * (0.5 + 4 / block)
+    ao_bytes = 2 * (0.5 + 4 / int(torch_result["block_size"]))
     rows["torchao AdamW4bit"] = (ao_bytes, metrics(torch_result, runs["float32"], args.steps))
 
   columns = list(next(iter(rows.values()))[1])
@@ -352,8 +353,7 @@ def one_stream(args: argparse.Namespace, df: float) -> dict[str, tuple[float, di
 
   print("\n## Ratios: direction and update error over torchao AdamW4bit's and over mpx 8bit's\n")
   bases = [b for b in ("torchao AdamW4bit", "mpx 8bit") if b in rows]
-  short = {"torchao AdamW4bit": "torchao", "mpx 8bit": "mpx 8bit"}
-  head = [f"{what} / {short[b]}" for b in bases for what in ("dir", "upd")]
+  head = [f"{what} / {b.removesuffix(' AdamW4bit')}" for b in bases for what in ("dir", "upd")]
   print(f"| {'format':31} | {'bytes / f32':>11} | " + " | ".join(f"{h:>17}" for h in head) + " |")
   print(f"|:{'-' * 31}-|{'-' * 12}:|" + "|".join("-" * 18 + ":" for _ in head) + "|")
   for label, (nbytes, m) in rows.items():
@@ -383,8 +383,8 @@ def main() -> None:
 
   print("\n## Every stream: Adam's direction error (nu mean ratio) after the last step\n")
   head = [f"t({df:g})" for df in streams]
-  print(f"| {'format':24} | {'B/el':>6} | " + " | ".join(f"{h:>15}" for h in head) + " |")
-  print(f"|:{'-' * 24}-|{'-' * 7}:|" + "|".join("-" * 16 + ":" for _ in head) + "|")
+  print(f"| {'format':31} | {'B/el':>6} | " + " | ".join(f"{h:>15}" for h in head) + " |")
+  print(f"|:{'-' * 31}-|{'-' * 7}:|" + "|".join("-" * 16 + ":" for _ in head) + "|")
   for label in SUMMARY:
     if label not in results[streams[0]]:
       continue
@@ -393,7 +393,7 @@ def main() -> None:
       for df in streams
     ]
     nbytes = results[streams[0]][label][0]
-    print(f"| {label:24} | {nbytes:>6.3f} | " + " | ".join(f"{c:>15}" for c in cells) + " |")
+    print(f"| {label:31} | {nbytes:>6.3f} | " + " | ".join(f"{c:>15}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ blocks are multiples of 8 (1024, 768, 4097) pack codes a uint32 word at a
 time, others (1026, 11008, 4098) a byte at a time: both layouts are tested."""
 
 import functools
+import sys
 
 import cli_output
 import jax
@@ -646,6 +647,53 @@ def test_the_error_benchmark_ranks_the_formats_as_the_docs_say(tmp_path):
   size = {name: float(row["dir size"]) for name, row in rows.items()}
   assert abs(size["mpx 4bit"] - 1) < abs(size["mpx 4bit, mu stochastic"] - 1)
   assert all(int(row["zeros sum"]) == 0 for row in rows.values())
+
+
+def test_the_benchmark_s_range_levels_code_as_their_docstring_says():
+  """benchmarks/range_codes.py, the second-moment code the 4-bit benchmark
+  measures beside mpx's: against a float64 reference written from its
+  docstring (levels even in the logarithm between each block's smallest
+  positive value, held at least 2**-12 of its largest, and its largest), each
+  block's extremes decode to themselves, a value rounds only to a level
+  beside it, its logarithm's mean is kept, zero stays zero, and a positive
+  value is never zero."""
+  sys.path.insert(0, str(cli_output.BENCHMARKS.parent))
+  from benchmarks import range_codes
+
+  rng = np.random.default_rng(3)
+  near = rng.uniform(0.9, 1.0, (4, 128))  # a second moment of near-Gaussian gradients
+  wide = 2.0 ** rng.uniform(-20, 0, (4, 128))  # of heavy tails: past the floor
+  x = np.concatenate([near, wide], axis=1).astype(np.float32)  # two blocks a row
+  x[0, :5] = 0.0
+  draws = 400
+  decoded = np.stack(
+    [
+      np.asarray(range_codes.decode(range_codes.encode(jnp.asarray(x), KEY, jnp.int32(t))))
+      for t in range(draws)
+    ]
+  )
+  blocks = x.astype(np.float64).reshape(4, 2, 128)
+  high = blocks.max(-1, keepdims=True)
+  low = np.maximum(np.where(blocks > 0, blocks, np.inf).min(-1, keepdims=True), high * 2.0**-12)
+  step = np.log2(high / low) / 14
+  assert step[:, 0].max() < np.log2(1 / 0.9) / 14 + 1e-9  # levels within 0.75% of each other
+  position = (np.log2(np.maximum(blocks, low)) - np.log2(low)) / step
+  below = np.exp2(np.log2(low) + np.floor(position) * step)
+  above = np.exp2(np.log2(low) + np.minimum(np.floor(position) + 1, 14) * step)
+  got = decoded.reshape(draws, 4, 2, 128)
+  positive = blocks > 0
+  ulps = 4e-6  # float32's log2 and exp2
+  assert np.all((got >= below * (1 - ulps)) & (got <= above * (1 + ulps)) | ~positive)
+  assert np.all((got > 0) == positive)
+  for extreme in (high, low):
+    at = np.isclose(blocks, extreme, rtol=1e-7) & positive
+    assert np.allclose(got[:, at], blocks[at], rtol=ulps)
+  inside = positive & (blocks > low)
+  mean_log = np.log2(np.where(got > 0, got, 1.0)).mean(0)
+  spread = np.broadcast_to(step * np.sqrt(0.25 / draws), blocks.shape)  # a draw's sd <= half a step
+  error = np.abs(mean_log - np.log2(np.where(positive, blocks, 1.0)))
+  assert np.all(error[inside] < 5 * spread[inside])
+  assert range_codes.bytes_per_element((8, 256)) == 0.5 + 8 / 128
 
 
 @pytest.mark.slow
