@@ -9,12 +9,12 @@ the two: ``level_k = low * (high / low) ** ((k - 1) / 14)`` for codes ``k =
 within a few percent of each other (a second moment of near-Gaussian
 gradients) gets levels a fraction of a percent apart, where the fixed levels
 are a quarter apart; a block spanning many octaves gets them wider apart.
-``low`` is held at least ``high * 2**-floor_octaves``, so that one tiny value
-does not spread the levels over the whole float range; a positive value
-below it is raised to it. Between two levels a value rounds up with
-probability ``log(value / below) / log(above / below)``, as mpx's nonnegative
-4-bit code rounds (docs/moment_codes.md, "Second moments keep their
-logarithm's mean").
+``low`` is held at least ``high * 2**-floor_octaves`` (``2**-9``, the floor of
+mpx's code), so that one tiny value does not spread the levels over the
+whole float range; a positive value below it is raised to it. Between two
+levels a value rounds up with probability ``log(value / below) / log(above
+/ below)``, as mpx's nonnegative 4-bit code rounds (docs/moment_codes.md,
+"Second moments keep their logarithm's mean").
 
 Stored: a code per element (4 bits packed, kept here in a uint8 each) and two
 float32 per block of the 4-bit layout (``moment_codes.block_layout(shape,
@@ -34,7 +34,7 @@ from mpx._src import moment_codes as mc
 from mpx._src import rounding
 
 LEVELS = 15
-FLOOR_OCTAVES = 12
+FLOOR_OCTAVES = 9
 _SALT = np.uint32(0x6C72)  # keeps these random bits apart from the first moment's
 
 

@@ -653,7 +653,7 @@ def test_the_benchmark_s_range_levels_code_as_their_docstring_says():
   """benchmarks/range_codes.py, the second-moment code the 4-bit benchmark
   measures beside mpx's: against a float64 reference written from its
   docstring (levels even in the logarithm between each block's smallest
-  positive value, held at least 2**-12 of its largest, and its largest), each
+  positive value, held at least 2**-9 of its largest, and its largest), each
   block's extremes decode to themselves, a value rounds only to a level
   beside it, its logarithm's mean is kept, zero stays zero, and a positive
   value is never zero."""
@@ -674,7 +674,7 @@ def test_the_benchmark_s_range_levels_code_as_their_docstring_says():
   )
   blocks = x.astype(np.float64).reshape(4, 2, 128)
   high = blocks.max(-1, keepdims=True)
-  low = np.maximum(np.where(blocks > 0, blocks, np.inf).min(-1, keepdims=True), high * 2.0**-12)
+  low = np.maximum(np.where(blocks > 0, blocks, np.inf).min(-1, keepdims=True), high * 2.0**-9)
   step = np.log2(high / low) / 14
   assert step[:, 0].max() < np.log2(1 / 0.9) / 14 + 1e-9  # levels within 0.75% of each other
   position = (np.log2(np.maximum(blocks, low)) - np.log2(low)) / step
