@@ -21,6 +21,11 @@ from lowering_forms import ACCELERATOR, forced
 from mpx._src import moment_codes as mc
 from mpx._src import moments, states
 
+if str(cli_output.BENCHMARKS.parent) not in sys.path:
+  sys.path.insert(0, str(cli_output.BENCHMARKS.parent))
+
+from benchmarks import range_codes
+
 KEY = jnp.uint32(0x5EED1234)
 STEP = jnp.int32(11)
 TINY = np.finfo(np.float32).tiny
@@ -658,9 +663,6 @@ def test_the_benchmark_s_range_levels_code_as_their_docstring_says():
   value rounds only to one of the two levels beside it, even in the
   logarithm between those ends; its logarithm's mean is kept; zero stays
   zero; a positive value is never zero; a zero block codes to zeros."""
-  sys.path.insert(0, str(cli_output.BENCHMARKS.parent))
-  from benchmarks import range_codes
-
   rng = np.random.default_rng(3)
   near = rng.uniform(0.9, 1.0, (4, 128))  # a second moment of near-Gaussian gradients
   wide = 2.0 ** rng.uniform(-20, 0, (4, 128))  # of heavy tails: past the floor
