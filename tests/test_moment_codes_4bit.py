@@ -656,13 +656,13 @@ def test_the_error_benchmark_ranks_the_formats_as_the_docs_say(tmp_path):
 
 def test_the_benchmark_s_range_levels_code_as_their_docstring_says():
   """benchmarks/range_codes.py, the second-moment code the 4-bit benchmark
-  measures beside mpx's, against a float64 reference written from its
-  docstring: each block's word holds its largest value rounded up to 11
-  mantissa bits and the range down to its smallest positive value (at least
-  2**-9 of the largest) rounded up to 1/256 octave, with the sign bit set; a
-  value rounds only to one of the two levels beside it, even in the
-  logarithm between those ends; its logarithm's mean is kept; zero stays
-  zero; a positive value is never zero; a zero block codes to zeros."""
+  measures beside mpx's, against a reference written from its docstring on
+  the float32 bits: each block's word holds its largest value rounded up to
+  11 mantissa bits and the bits down to its smallest positive value (at most
+  9 octaves) rounded up to 1/256 octave, with the sign bit set; a value
+  rounds only to one of the two levels beside it, even in the bits between
+  those ends, unbiased in the bits; zero stays zero; a positive value is
+  never zero; a zero block codes to zeros."""
   rng = np.random.default_rng(3)
   near = rng.uniform(0.9, 1.0, (4, 128))  # a second moment of near-Gaussian gradients
   wide = 2.0 ** rng.uniform(-20, 0, (4, 128))  # of heavy tails: past the floor
@@ -674,32 +674,34 @@ def test_the_benchmark_s_range_levels_code_as_their_docstring_says():
   decoded = np.stack([np.asarray(range_codes.decode(run)) for run in runs]).reshape(
     draws, 4, 4, 128
   )
-  blocks = x.astype(np.float64).reshape(4, 4, 128)
-  word = np.asarray(runs[0][1]).view(np.uint32)
+  blocks = x.reshape(4, 4, 128)
+  bits = blocks.view(np.int32).astype(np.int64)
+  word = np.asarray(runs[0][1]).view(np.uint32).astype(np.int64)
   assert np.all(word >> 31 == 1)
-  high = (word & 0x7FFFF000).view(np.float32).astype(np.float64)[..., None]
-  largest = blocks.max(-1, keepdims=True)
-  assert np.all((high >= largest) & (high <= largest * (1 + 2.0**-11)))
-  nonzero = largest > 0
-  smallest = np.where(blocks > 0, blocks, np.inf).min(-1, keepdims=True)
-  octaves = np.minimum(np.log2(np.where(nonzero, high / smallest, 1)), 9)  # low >= high * 2**-9
-  stored = (word & 0xFFF)[..., None] / 256
-  assert np.all((stored >= octaves) & (stored < octaves + 1 / 256 + 1e-6) | ~nonzero)
-  assert stored[:, 0].max() < np.log2(1 / 0.9) + 2 / 256  # levels within 0.75% of each other
-  step = stored / 14
-  log_low = np.log2(np.where(nonzero, high, 1)) - stored
-  position = (np.log2(np.maximum(blocks, 2.0**log_low)) - log_low) / np.where(step > 0, step, 1)
-  below = np.exp2(log_low + np.floor(position) * step)
-  above = np.exp2(log_low + np.minimum(np.floor(position) + 1, 14) * step)
+  top = (word & 0x7FFFF000)[..., None]
+  largest = bits.max(-1, keepdims=True)
+  assert np.all((top >= largest) & (top < largest + 2**12))
   positive = blocks > 0
-  ulps = 4e-6  # float32's log2 and exp2
-  assert np.all((decoded >= below * (1 - ulps)) & (decoded <= above * (1 + ulps)) | ~positive)
+  smallest = np.where(positive, bits, 2**31).min(-1, keepdims=True)
+  octave = 2**23
+  span = np.where(largest > 0, np.minimum(top - smallest, 9 * octave), 0)
+  stored = (word & 0xFFF)[..., None] * 2**15
+  assert np.all((stored >= span) & (stored < span + 2**15))
+  # 0.9 to 1 is 0.2 of the octave [0.5, 1) in the bits: levels 0.1 / 14 apart, under 0.8%
+  assert stored[:, 0].max() < 0.2 * octave + 2 * 2**15
+  step = stored / 14
+  base = top - stored
+  position = np.clip((bits - base) / np.where(step > 0, step, 1), 0, 14)
+  below = base + np.round(np.floor(position) * step)
+  above = base + np.round(np.minimum(np.floor(position) + 1, 14) * step)
+  got = decoded.view(np.int32).astype(np.int64)
+  off = np.minimum(np.abs(got - below), np.abs(got - above))
+  assert np.all((off <= 1 + step * 2.0**-18) | ~positive)  # float32's (k - 1) * step
   assert np.all((decoded > 0) == positive)
-  inside = positive & (blocks > 2.0**log_low)
-  mean_log = np.log2(np.where(decoded > 0, decoded, 1.0)).mean(0)
-  spread = np.broadcast_to(step * np.sqrt(0.25 / draws), blocks.shape)  # a draw's sd <= half a step
-  error = np.abs(mean_log - np.log2(np.where(positive, blocks, 1.0)))
-  assert np.all(error[inside] < 5 * spread[inside])
+  inside = positive & (bits > base)
+  mean_bits = got.mean(0)
+  spread = np.broadcast_to(step * np.sqrt(0.25 / draws), bits.shape)  # a draw's sd <= half a step
+  assert np.all(np.abs(mean_bits - bits)[inside] < 5 * spread[inside] + 1)
   assert range_codes.bytes_per_element((8, 256)) == 0.5 + 4 / 128
 
 
