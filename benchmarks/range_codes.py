@@ -64,9 +64,7 @@ def _bits(x: jax.Array) -> jax.Array:
 def unpack(words: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Each block's lowest level's bits and the bits between levels (float32),
   from its stored word."""
-  bits = jax.lax.bitcast_convert_type(
-    jax.lax.bitcast_convert_type(words, jnp.uint32) & ~_MARK, jnp.int32
-  )
+  bits = _bits(words)  # the mark, the sign bit, is outside both fields
   span = (bits & _RANGE_BITS) * RANGE_STEP
   return (bits & _HIGH_BITS) - span, span.astype(jnp.float32) / (LEVELS - 1)
 
