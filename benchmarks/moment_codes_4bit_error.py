@@ -15,13 +15,13 @@ and torchao), which reads the same ``stream.npy``; this process needs no
 torch. Without that Python its row is left out.
 
 The formats: mpx's 8-bit and 4-bit codes (as ``moments="8bit"`` and
-``"4bit"`` store them), the 4-bit code with ``mu`` rounded stochastically
-throughout (as before the signed code rounded to nearest where that changes
-its code), with ``nu`` rounded unbiased (as before it kept each value's log
-on average), the 4-bit ``nu`` on the paper's linear map ``k / 15`` instead
-(in the same blocks) or on levels spread over each block's range
-(``range_codes.py``, a code mpx does not store), 8-bit ``mu`` with 4-bit
-``nu``, each 4-bit moment alone with the other in float32, and torchao.
+``"4bit"`` store them: 4-bit ``nu`` on levels over each block's range), the
+4-bit code with ``mu`` rounded stochastically throughout (as before the
+signed code rounded to nearest where that changes its code), with ``nu`` on
+fixed levels instead (in the same blocks): the float-like levels of states
+saved before the range levels, rounded unbiased, or the paper's linear map
+``k / 15``; 8-bit ``mu`` with 4-bit ``nu``, each 4-bit moment alone with the
+other in float32, and torchao.
 
 Printed per stream and format, after the last step: the relative error (``|c
 - f|_2 / |f|_2``) of the stored ``mu`` and ``nu`` against float32 Adam's;
@@ -69,7 +69,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is a package of the checkout
   sys.path.insert(0, str(ROOT))
 
-from benchmarks import range_codes  # noqa: E402
 from benchmarks.moment_codes_error import coder as table_coder  # noqa: E402
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -95,10 +94,10 @@ Decode = Callable[[Any], Array]
 def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
   """Encode and decode of one moment: ``"f32"``, ``"8bit"``, ``"4bit"`` (as
   ``moments="4bit"`` codes it, given the previous stored moment), ``"4bit
-  stochastic"`` (not given it), ``"4bit unbiased"`` (4-bit levels, each value
-  rounded unbiased rather than its log) or ``"4bit linear"`` (on k / 15),
-  those two by a table (``moment_codes_error.coder``), or ``"4bit range"``
-  (``range_codes.py``): the module's docstring says which is which."""
+  stochastic"`` (not given it), ``"4bit fixed"`` (a saved state's levels,
+  each value rounded unbiased) or ``"4bit linear"`` (on k / 15), those two
+  by a table (``moment_codes_error.coder``): the module's docstring says
+  which is which."""
   if name == "f32":
     return (lambda x, key, step, previous: x), (lambda s: s)
   if name in ("4bit", "4bit stochastic"):
@@ -109,13 +108,11 @@ def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
         x, step, key, previous=previous if given else None
       )
     ), kind.decompress
-  if name == "4bit range" and sign == "nonnegative":
-    return range_codes.coder()
   if name == "8bit":
     encode, decode = table_coder(None, sign, stochastic)
   elif name == "4bit linear" and sign == "nonnegative":
     encode, decode = table_coder(np.arange(16) / np.float32(15), sign, stochastic, True)
-  elif name == "4bit unbiased" and sign == "nonnegative":
+  elif name == "4bit fixed" and sign == "nonnegative":
     encode, decode = table_coder(mc.NONNEGATIVE_LEVELS_4BIT, sign, stochastic, True)
   else:
     raise ValueError(name)
@@ -125,8 +122,8 @@ def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
 def bytes_of(name: str, sign: mc.Sign, shape: tuple[int, ...]) -> float:
   """The bytes a moment stored as ``name`` takes per element: for 8 and 4 bits,
   the codes and float32 scales (an odd row's last element among them)."""
-  if name in ("f32", "4bit range"):
-    return 4.0 if name == "f32" else range_codes.bytes_per_element(shape)
+  if name == "f32":
+    return 4.0
   kind = mc.EightBitCompressed(0, sign) if name == "8bit" else mc.FourBitCompressed(0, sign)
   like, step = jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
   stored = jax.eval_shape(kind.compress, like, step)
@@ -155,11 +152,9 @@ FORMATS = (
   Format("mpx 8bit", ("8bit", STOCHASTIC), ("8bit", STOCHASTIC)),
   Format("mpx 4bit", ("4bit", STOCHASTIC), ("4bit", STOCHASTIC)),
   Format("mpx 4bit, mu stochastic", ("4bit stochastic", STOCHASTIC), ("4bit", STOCHASTIC)),
-  Format("mpx 4bit, nu unbiased", ("4bit", STOCHASTIC), ("4bit unbiased", STOCHASTIC)),
+  Format("mpx 4bit, nu fixed levels", ("4bit", STOCHASTIC), ("4bit fixed", STOCHASTIC)),
   Format("mpx 4bit, nu linear k/15", ("4bit", STOCHASTIC), ("4bit linear", STOCHASTIC)),
-  Format("mpx 4bit, nu range levels", ("4bit", STOCHASTIC), ("4bit range", STOCHASTIC)),
   Format("mpx 8bit mu + 4bit nu", ("8bit", STOCHASTIC), ("4bit", STOCHASTIC)),
-  Format("8bit mu + nu range levels", ("8bit", STOCHASTIC), ("4bit range", STOCHASTIC)),
   Format("mpx 4bit mu, f32 nu", ("4bit", STOCHASTIC), ("f32", NEAREST)),
   Format("mpx f32 mu, 4bit nu", ("f32", NEAREST), ("4bit", STOCHASTIC)),
 )

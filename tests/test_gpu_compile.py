@@ -91,13 +91,28 @@ def test_bytes_moved_within_2_per_param_of_the_floor(one_gpu):
   assert profile.bytes / n <= gpu_variants.FLOORS[name] + 2
 
 
+# A 4-bit nu's range levels keep two statistics of each block of 128 between
+# the passes, its largest value and its smallest positive one, and its word
+# computed from them: 8 bytes a block more than a scale's 4 (0.0625 B/param),
+# which XLA:GPU writes out as the other codes' maxima (docs/design.md,
+# "Compressed moments at the byte floor").
+FOUR_BIT_NU_SCRATCH = 8 / 128
+
+
+def scratch_goal(name: str) -> float:
+  """The issue's 0.1 B/param of scratch, and a 4-bit nu's two more per-block arrays."""
+  four_bit_nu = "+ 4bit moments" in name or "nu 4bit" in name
+  return 0.1 + (FOUR_BIT_NU_SCRATCH if four_bit_nu else 0.0)
+
+
 @pytest.mark.xla_cost
 def test_no_copies_and_scratch_under_a_tenth_of_a_byte_per_param(one_gpu):
   """Each 8- or 4-bit moment's old block scales too: its select, writing over
-  them, is ordered after the coding kernel that reads them (two_pass.kept)."""
-  _, profile, n = one_gpu
+  them, is ordered after the coding kernel that reads them (two_pass.kept).
+  With a 4-bit nu, its range's two more per-block arrays beside (``scratch_goal``)."""
+  name, profile, n = one_gpu
   assert profile.copied_bytes / n < 0.01  # a scalar counter may be copied
-  assert profile.scratch / n <= 0.1
+  assert profile.scratch / n <= scratch_goal(name)
 
 
 @pytest.fixture(scope="module", params=MPX_NAMES)
@@ -139,17 +154,27 @@ SWEEP_NAMES = [
   for masters in gpu_compile.SWEEP_MASTERS
   for moments in gpu_compile.SWEEP_MOMENTS
 ]
-MIXED_24BIT_SCRATCH_WHY = (
-  "24-bit masters with 8-bit mu and 4-bit nu at 64K: 0.110 B/param of scratch, the "
-  "per-field moments' 0.091 (as with remainder masters) and five scalars in 256-byte slots "
-  "(1280 bytes, 0.020 B/param at 64K: two counters' copies, the stall flag, the sample's "
-  "maxima, a barrier's tuple; under 0.1 in all from 512K on)"
+# 24-bit masters with a 4-bit nu at 64K: XLA:GPU puts the new nu out of the
+# first pass's reduction as a second result (4 B/param written, 4 read), for
+# the 24-bit stall check's sample of the update to read, rather than
+# computing the moment in both kernels: with the range's second statistic
+# the reduction reads it twice, and its cost model rates that computation
+# too dear to repeat. From 512K on the moment is computed in the reduction.
+SMALL_24BIT_4BIT_NU_WHY = (
+  "24-bit masters with a 4-bit nu at 64K: the new nu written out of the first pass's "
+  "reduction for the stall check's sample (4 B/param written and read again)"
 )
+SMALL_24BIT_4BIT_NU = ("mpx 24bit + 4bit moments", "mpx 24bit + mu 8bit, nu 4bit moments")
 
 
 def sweep_scratch_why(name: str) -> str | None:
-  """Says why a sweep row's scratch misses the issue's goal, or None where it meets it."""
-  return MIXED_24BIT_SCRATCH_WHY if name == "mpx 24bit + mu 8bit, nu 4bit moments" else None
+  """Says why a sweep row's scratch misses ``scratch_goal``, or None where it meets it."""
+  return SMALL_24BIT_4BIT_NU_WHY if name in SMALL_24BIT_4BIT_NU else None
+
+
+def sweep_moves_why(name: str, size: str) -> str | None:
+  """Says why a sweep row moves more than the two-pass floor + 1 B/param at a size, or None."""
+  return SMALL_24BIT_4BIT_NU_WHY if name in SMALL_24BIT_4BIT_NU and size == "64K" else None
 
 
 # One test, not one per row: the rows compile in one process (about a minute),
@@ -178,12 +203,14 @@ def test_sweep_rows_have_no_conditional_and_their_bytes_near_the_two_pass_floor(
     # The issue's goals at every size: at most the two-pass floor + 1 B/param
     # moved, at most a tenth of a byte per param of scratch.
     moved = {size: round(row.bytes_per_param(size), 2) for size in SWEEP_SIZES}
-    if any(b > two_pass + 1 for b in moved.values()):
-      failures.append(f"{row.name}: moves {moved}, the two-pass floor {two_pass}")
+    for size, b in moved.items():
+      why = sweep_moves_why(row.name, size)
+      if (b > two_pass + 1) != bool(why):  # a known miss must still miss
+        failures.append(f"{row.name}: moves {moved}, the two-pass floor {two_pass} ({why})")
     scratch = {size: round(row.scratch_per_param(size), 3) for size in SWEEP_SIZES}
-    why = sweep_scratch_why(row.name)
-    if all(s <= 0.1 for s in scratch.values()) == bool(why):  # a known miss must still miss
-      failures.append(f"{row.name}: scratch {scratch} ({why or 'the goal: 0.1'})")
+    why, goal = sweep_scratch_why(row.name), scratch_goal(row.name)
+    if all(s <= goal for s in scratch.values()) == bool(why):  # a known miss must still miss
+      failures.append(f"{row.name}: scratch {scratch} ({why or f'the goal: {goal}'})")
   assert not failures, "\n".join(failures)
 
 

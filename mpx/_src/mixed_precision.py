@@ -193,9 +193,10 @@ class _Step:
       finite, scales, first_stalled = tree_lib.by_platform(
         cpu=lambda: (
           verdict.gradients_finite(leaves.grads, leaves.received_dtypes, unscaling),
-          # Unread: the stored scales, in the maxima's shapes and dtypes.
+          # Unread: the stored scales (each block-scaled moment's second
+          # field), in the maxima's shapes and dtypes.
           [
-            x.scales if isinstance(x, moments_lib.BLOCK_SCALED_TYPES) else None
+            x[1] if isinstance(x, moments_lib.BLOCK_SCALED_TYPES) else None
             for x in jax.tree.leaves(state.inner_state, is_leaf=moments_lib.is_compressed)
           ],
           jnp.zeros((), bool),  # unread

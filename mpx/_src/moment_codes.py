@@ -145,22 +145,29 @@ def _max_and_min(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[ja
   return jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])
 
 
-def _block_max(
-  x: jax.Array, size: int, blocks: int, signed: bool, pairs: bool = False
-) -> jax.Array:
-  """Returns the largest magnitude (signed) or value (nonnegative), at least 0,
-  of each block of ``size`` along ``x``'s last axis, cut into ``blocks`` (the
-  last zero-padded where they do not tile); with ``pairs``, each block read as
-  ``size / 2`` pairs. One two-result reduction, which XLA:CPU fuses the
-  moment's computation into (docs/moment_codes.md)."""
+def _blocked(
+  x: jax.Array, size: int, blocks: int, pairs: bool
+) -> tuple[jax.Array, tuple[int, ...]]:
+  """Returns ``x`` cut into ``blocks`` of ``size`` along its last axis (the last
+  zero-padded where they do not tile) and the axes that reduce a block; with
+  ``pairs``, each block read as ``size / 2`` pairs."""
   pad = size * blocks - x.shape[-1]
   if pad:
     x = jax.lax.pad(x, np.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)])
   x = x.reshape((*x.shape[:-1], blocks, size))
-  axes: tuple[int, ...] = (x.ndim - 1,)
   if pairs:
-    x = x.reshape((*x.shape[:-1], size // 2, 2))
-    axes = (x.ndim - 2, x.ndim - 1)
+    return x.reshape((*x.shape[:-1], size // 2, 2)), (x.ndim - 1, x.ndim)
+  return x, (x.ndim - 1,)
+
+
+def _block_max(
+  x: jax.Array, size: int, blocks: int, signed: bool, pairs: bool = False
+) -> jax.Array:
+  """Returns the largest magnitude (signed) or value (nonnegative), at least 0,
+  of each block of ``size`` along ``x``'s last axis, cut as :func:`_blocked`
+  cuts it. One two-result reduction, which XLA:CPU fuses the moment's
+  computation into (docs/moment_codes.md)."""
+  x, axes = _blocked(x, size, blocks, pairs)
   zero = np.float32(0)
   reducer = _max_and_min if signed else tree_lib.elementwise_max
   largest, other = jax.lax.reduce((x, x), (zero, zero), reducer, axes)
@@ -324,15 +331,103 @@ _SIGN_BIT = 8  # the signed 4-bit code's sign, above its 3-bit magnitude
 # "4 bits").
 SIGNED_LEVELS_4BIT = ((np.arange(8) / 7.0) ** 2).astype(np.float32)
 
-# The nonnegative 4-bit code is float-like (``_float_level``): 15 levels, 2**-5
-# and the levels above it with one mantissa bit (2**-5, 0.0469, 2**-4, ...,
-# 0.375, 0.5, 0.75, 1), then the powers of two 2**-6 to 2**-9; code 0 only for
-# a value that is not positive. The floor, 2**-9 of the block's largest, is
-# what a small second moment is held up at (never zero, which would make
-# Adam's step blow up): a floor at 2**-7 held ``nu`` 10% high on average on
-# a heavy-tailed stream (docs/moment_codes.md, "4 bits").
-NONNEGATIVE_CODE_4BIT = _float_code(False, ((5, 1), (0, 0)), top=15)
-NONNEGATIVE_LEVELS_4BIT = level_table("nonnegative", NONNEGATIVE_CODE_4BIT)[:16]
+# The nonnegative 4-bit code's levels: 15 spread evenly in the float32 bits
+# (a piecewise-linear logarithm) from each block's largest value down to its
+# smallest positive one, held at least about 2**-9 of the largest (the floor,
+# which a tiny second moment is raised to: never zero, which would make
+# Adam's step blow up). Fixed fractions of the largest a quarter to a half
+# apart held ``nu`` 20% high; a block of near-equal values (near-Gaussian
+# gradients') now gets levels under 1% apart (docs/moment_codes.md, "4
+# bits"). Both ends fit the block's float32 word, in the place and bytes of
+# the other codes' scale (``Nonnegative4bitMoment.ranges``):
+# - its high bits: the top level, the largest value rounded up to 11
+#   mantissa bits (``_TOP_BITS``), at least float32's smallest normal; so
+#   the word read as a float is within 2**-11 above the block's largest;
+# - the low 12 bits: the step between levels in float32 bits, in units of
+#   1/4096 octave (``2**_STEP_SHIFT`` bits), rounded up so that the lowest
+#   level is at most the smallest positive value, at most ``_MAX_STEP`` (the
+#   floor) and so that the lowest level stays a normal float.
+# Coding and decoding are integer arithmetic, with no log2 or exp2: in one
+# kernel with the moment's computation those tipped XLA:GPU into writing the
+# moment out in float32; and with no integer division, which XLA:CPU writes
+# out. A coarser step costs fidelity: at 1/8 octave between ends, the levels
+# jump as a block's range crosses a step and every element rounds anew.
+LEVELS_4BIT = 15
+_TOP_BITS = np.int32(0x7FFFF000)
+_STEP_BITS = np.int32(0xFFF)
+_STEP_SHIFT = 11
+_SPAN_UNIT = (LEVELS_4BIT - 1) << _STEP_SHIFT  # the bits from lowest to top per unit of step
+_MAX_STEP = (9 << 23) // _SPAN_UNIT  # 2633: the lowest level 2**-8.9996 of the top
+_TINY_BITS = np.int32(_TINY.view(np.int32))
+_LARGEST_TOP = np.int32(0x7F7FF000)  # the largest finite float with 11 mantissa bits
+_INT32_MAX = np.int32(2**31 - 1)
+
+
+def _complement(value: jax.Array) -> jax.Array:
+  """int32 ``2**31 - 1 - bits(value)`` where ``value`` is positive (read from its
+  bits, so that a subnormal counts), else 0: the largest of a block's is its
+  smallest positive value's, so that one max reduction takes both ends."""
+  bits = jax.lax.bitcast_convert_type(value, jnp.int32)
+  return jax.lax.select(
+    jax.lax.gt(bits, np.int32(0)), jax.lax.sub(_INT32_MAX, bits), jnp.zeros_like(bits)
+  )
+
+
+def range_words(high: jax.Array, complement: jax.Array) -> jax.Array:
+  """Returns each block's float32 word (see ``LEVELS_4BIT``) from its largest
+  value ``high`` (at least 0) and the largest :func:`_complement` of its
+  elements (0: none is positive, and its step is 0)."""
+  top = jax.lax.add(jax.lax.bitcast_convert_type(high, jnp.int32), np.int32(0xFFF))
+  top = jax.lax.clamp(_TINY_BITS, jax.lax.bitwise_and(top, _TOP_BITS), _LARGEST_TOP)
+  low = jax.lax.sub(_INT32_MAX, complement)
+  # Rounded up (the lowest level at most the smallest positive value), then
+  # clipped: to 0 where none is positive (low is then above top), to the
+  # floor, and so that the lowest level stays a normal float. (Divisions of a
+  # value per block.)
+  unit = np.int32(_SPAN_UNIT)
+  step = jax.lax.div(jax.lax.add(jax.lax.sub(top, low), np.int32(_SPAN_UNIT - 1)), unit)
+  room = jax.lax.div(jax.lax.sub(top, _TINY_BITS), unit)
+  step = jax.lax.clamp(np.int32(0), step, jax.lax.min(room, np.int32(_MAX_STEP)))
+  return jax.lax.bitcast_convert_type(jax.lax.bitwise_or(top, step), jnp.float32)
+
+
+def _range_fields(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Returns ``(top, step)`` of float32 ``words``: the top level's float32 bits
+  and the bits between levels (int32)."""
+  bits = jax.lax.bitcast_convert_type(words, jnp.int32)
+  step = jax.lax.shift_left(jax.lax.bitwise_and(bits, _STEP_BITS), np.int32(_STEP_SHIFT))
+  return jax.lax.bitwise_and(bits, _TOP_BITS), step
+
+
+def _range_code(body: jax.Array, words: jax.Array, size: int, u: jax.Array) -> jax.Array:
+  """Returns the int32 code, 1 to 15, of each element of ``body`` (float32) among
+  its block's levels (``words``, one a block of ``size``): the level at or
+  below its float32 bits, or the one above with probability proportional to
+  the bits' distance to it, for ``u`` uniform in [0, 1) (unbiased in the
+  bits, so nearly in the logarithm); 0 where ``body`` is not positive. Below
+  the lowest level (a value under the floor) to it, above the top to the top.
+  """
+  top, step = _range_fields(words)
+  base = jax.lax.sub(top, jax.lax.mul(step, np.int32(LEVELS_4BIT - 1)))
+  # Levels per bit, per block: a product per element, not a division.
+  per_bit = jax.lax.div(np.float32(1), jax.lax.max(step, np.int32(1)).astype(jnp.float32))
+  bits = jax.lax.bitcast_convert_type(body, jnp.int32)
+  above_base = jax.lax.sub(bits, _spread(base, body.shape, size)).astype(jnp.float32)
+  position = jax.lax.add(jax.lax.mul(above_base, _spread(per_bit, body.shape, size)), u)
+  position = jax.lax.clamp(np.float32(0), jax.lax.floor(position), np.float32(LEVELS_4BIT - 1))
+  code = jax.lax.add(position.astype(jnp.int32), np.int32(1))
+  return jax.lax.select(jax.lax.gt(bits, np.int32(0)), code, jnp.zeros_like(code))
+
+
+def _range_affine(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Returns ``(offset, step)`` (int32) of float32 ``words``, one a block: code
+  ``k``'s level has the float32 bits ``offset + k * step``, the top level's
+  less ``15 - k`` steps (exact: at most 9 octaves, 9 * 2**23). A block's
+  pair, spread to its elements, leaves each a product and a sum, where the
+  word unpacked per element (masks and shifts) tipped XLA:GPU into writing
+  a moment computed from it out in float32."""
+  top, step = _range_fields(words)
+  return jax.lax.sub(top, jax.lax.mul(step, np.int32(LEVELS_4BIT))), step
 
 
 class _Layout(NamedTuple):
@@ -535,9 +630,10 @@ class BlockScaledKind:
   block along the last axis, rounded stochastically with the leaf's ``key``:
   the 8- and 4-bit kinds, alike but for their levels and layout. The
   accelerator's step codes them in two passes (``two_pass.first_pass``): the
-  new moment's block maxima first (:meth:`maxima`, or a joint reduction over
-  :meth:`magnitude`), then the codes against them (:meth:`compress` with ``scales``).
-  docs/design.md, "Compressed moments at the byte floor"."""
+  new moment's block scales first (:meth:`maxima`, or a joint reduction over
+  :meth:`reduced` read by :meth:`scales_of`), then the codes against them
+  (:meth:`compress` with ``scales``). docs/design.md, "Compressed moments at
+  the byte floor"."""
 
   key: int
   sign: Sign
@@ -546,7 +642,7 @@ class BlockScaledKind:
 
   def block_size(self, shape: tuple[int, ...]) -> int | None:
     """Returns the block size where the blocks tile the last axis exactly (then
-    each block's scale is the largest :meth:`magnitude` of its elements), else None."""
+    each block's scale is :meth:`scales_of` its :meth:`reduced` maxima), else None."""
     size, blocks = block_layout(shape, self.bits)
     return size if shape and size * blocks == shape[-1] else None
 
@@ -580,13 +676,19 @@ class BlockScaledKind:
     floor")."""
     raise NotImplementedError
 
-  def magnitude(self, value: jax.Array) -> jax.Array:
-    """Returns what a block's scale is the largest of, elementwise: ``|value|``
-    (signed) or ``max(value, 0)`` (nonnegative); 0 for an empty or
-    non-positive block."""
+  def reduced(self, value: jax.Array) -> tuple[jax.Array, ...]:
+    """Returns what a block's scale is made from, elementwise: arrays each
+    reduced to its largest element per block, at least 0, which
+    :meth:`scales_of` takes. Here ``|value|`` (signed) or ``max(value, 0)``
+    (nonnegative): the scale is the largest."""
     if self.sign == "signed":
-      return jax.lax.abs(value)
-    return jax.lax.max(value, jnp.zeros_like(value))
+      return (jax.lax.abs(value),)
+    return (jax.lax.max(value, jnp.zeros_like(value)),)
+
+  def scales_of(self, maxima: tuple[jax.Array, ...]) -> jax.Array:
+    """Returns the blocks' scales from the block maxima of :meth:`reduced`'s
+    arrays (for blocks that tile the last axis)."""
+    return maxima[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -685,22 +787,34 @@ class EightBitCompressed(BlockScaledKind):
 @dataclasses.dataclass(frozen=True)
 class FourBitCompressed(BlockScaledKind):
   """The 4-bit code (a ``Signed4bitMoment`` or ``Nonnegative4bitMoment``): two
-  codes a byte and a float32 scale per block of :func:`block_layout` (4 bits),
+  codes a byte and a float32 word per block of :func:`block_layout` (4 bits),
   then an odd row's last element in float32 (docs/moment_codes.md, "4
-  bits"). To nearest, a slow average's steps (Lion's ``mu`` moves 1% a step)
-  would fall between its levels and the moment stall."""
+  bits"). The word is the signed code's scale, the block's largest
+  magnitude, and the nonnegative code's range (``LEVELS_4BIT``). Both round
+  stochastically: to nearest, a slow average's steps (Lion's ``mu`` moves 1%
+  a step) would fall between the levels and the moment stall."""
 
   bits = 4
 
+  def reduced(self, value: jax.Array) -> tuple[jax.Array, ...]:
+    """As :meth:`BlockScaledKind.reduced`; nonnegative, with
+    :func:`_complement`, whose largest is the smallest positive value."""
+    if self.sign == "signed":
+      return (jax.lax.abs(value),)
+    return (jax.lax.max(value, jnp.zeros_like(value)), _complement(value))
+
+  def scales_of(self, maxima: tuple[jax.Array, ...]) -> jax.Array:
+    """As :meth:`BlockScaledKind.scales_of`; nonnegative, the words."""
+    return maxima[0] if self.sign == "signed" else range_words(*maxima)
+
   def maxima(self, value: jax.Array, block_maxima: jax.Array | None = None) -> jax.Array:
-    """Returns float32 ``(*lead, n_blocks + n % 2)``: each row's block maxima
-    (the largest magnitude, signed; the largest value, at least 0,
-    nonnegative; or the first ``n_blocks`` of each row of ``block_maxima``,
-    where given), then for an odd row its last element as stored: itself,
-    signed; nonnegative, at least the smallest normal if positive (read from
-    the bits, so that a positive subnormal counts even where the hardware
-    flushes it to zero), 0 if not positive. Along the last axis only: nothing
-    is reduced across rows."""
+    """Returns float32 ``(*lead, n_blocks + n % 2)``: each row's block words (the
+    largest magnitude, signed; the range's word, nonnegative; or the first
+    ``n_blocks`` of each row of ``block_maxima``, where given), then for an
+    odd row its last element as stored: itself, signed; nonnegative, at least
+    the smallest normal if positive (read from the bits, so that a positive
+    subnormal counts even where the hardware flushes it to zero), 0 if not
+    positive. Along the last axis only: nothing is reduced across rows."""
     x = jnp.asarray(value, jnp.float32)
     layout = _Layout.of(x.shape)
     if block_maxima is None:
@@ -709,8 +823,16 @@ class FourBitCompressed(BlockScaledKind):
       # 2) pairs: the reduction's inner loops then run over a pair and over the
       # bytes, which it reads a vector at a time.
       body = x[..., : layout.body]
-      signed = self.sign == "signed"
-      block_maxima = _block_max(body, layout.size, layout.blocks, signed, pairs=layout.per != 8)
+      pairs = layout.per != 8
+      if self.sign == "signed":
+        block_maxima = _block_max(body, layout.size, layout.blocks, True, pairs)
+      else:
+        operands = self.reduced(body)
+        blocked = [_blocked(y, layout.size, layout.blocks, pairs) for y in operands]
+        zeros = tuple(np.zeros((), y.dtype) for y in operands)
+        axes = blocked[0][1]
+        maxima = jax.lax.reduce(tuple(b for b, _ in blocked), zeros, tree_lib.elementwise_max, axes)
+        block_maxima = self.scales_of(tuple(maxima))
     if not layout.tail:
       return block_maxima
     tail = x[..., layout.body :]
@@ -734,8 +856,9 @@ class FourBitCompressed(BlockScaledKind):
     ``value`` replaces, rounds each element to nearest where that changes its
     code, and stochastically only where nearest would keep the old code (a
     move of less than half a level, which to nearest would stall). The
-    nonnegative code rounds stochastically, unbiased in each value's
-    logarithm rather than in the value."""
+    nonnegative code rounds stochastically among its block's range levels,
+    unbiased in each value's float32 bits (nearly its logarithm) rather than
+    in the value; ``scales`` are then its words (:meth:`maxima`'s)."""
     x = jnp.asarray(value, jnp.float32)
     signed = self.sign == "signed"
     layout = _Layout.of(x.shape)
@@ -752,22 +875,8 @@ class FourBitCompressed(BlockScaledKind):
       block_max = self.maxima(x, block_max)
     if not layout.body:
       return STORED_TYPES_4BIT[self.sign](jnp.zeros((*layout.lead, 0), jnp.uint8), block_max)
-    scale = _spread(block_max[..., : layout.blocks], (*layout.lead, layout.body), layout.size)
     body = x[..., : layout.body]
-    # Each element's code against its block's scale, rounded at random: one
-    # loop fusion with the packing. The ratio |body| / scale (a scale of 0
-    # divides by 1) may exceed 1 where a given scale sits an ulp below its
-    # largest element: each code takes it to the top level, never a wrap. A true
-    # division, so that a block's largest element gives exactly 1; the select
-    # is per element, after the broadcast, so that XLA does not turn the
-    # division by a broadcast into a product by a reciprocal. Of |body| for
-    # either sign: a value that is not positive is zeroed below under the
-    # nonnegative code. (Dividing the body itself, XLA:CPU writes it out in
-    # float32 instead of fusing its computation, e.g. Adam's new moment, in
-    # here.)
-    magnitude = jax.lax.abs(body)
-    safe = jax.lax.select(jax.lax.gt(scale, np.float32(0)), scale, jnp.ones_like(scale))
-    a = jax.lax.div(magnitude, safe)
+    words = block_max[..., : layout.blocks]
     # Each element's random bits, drawn for the whole leaf.
     count = applied_steps
     if not isinstance(count, rounding.StackedCount):
@@ -780,6 +889,18 @@ class FourBitCompressed(BlockScaledKind):
     uniform = jax.lax.shift_right_logical(random, np.uint32(8)).astype(jnp.int32)
     u = jax.lax.mul(uniform.astype(jnp.float32), np.float32(2.0**-24))
     if signed:
+      # Each element's code against its block's scale, rounded at random: one
+      # loop fusion with the packing. The ratio |body| / scale (a scale of 0
+      # divides by 1) may exceed 1 where a given scale sits an ulp below its
+      # largest element: each code takes it to the top level, never a wrap. A
+      # true division, so that a block's largest element gives exactly 1; the
+      # select is per element, after the broadcast, so that XLA does not turn
+      # the division by a broadcast into a product by a reciprocal. (Dividing
+      # the body itself, XLA:CPU writes it out in float32 instead of fusing its
+      # computation, e.g. Adam's new moment, in here.)
+      scale = _spread(words, body.shape, layout.size)
+      safe = jax.lax.select(jax.lax.gt(scale, np.float32(0)), scale, jnp.ones_like(scale))
+      a = jax.lax.div(jax.lax.abs(body), safe)
       negative = jax.lax.lt(body, np.float32(0))
       codes = _signed(_round(a, SIGNED_LEVELS_4BIT, u), negative)
       if previous is not None:
@@ -790,33 +911,12 @@ class FourBitCompressed(BlockScaledKind):
         old = tree_lib.by_platform(previous.codes, cpu=unpack, accelerator=_unpack_by_bitcast)
         codes = jax.lax.select(jax.lax.eq(nearest, old), codes, nearest)
     else:
-      # The float-like code's levels (``_float_level``). Above 1 (a scale an ulp
-      # below its largest element) to the top; 0 only for a body element <= 0,
-      # read from the bits (a positive subnormal, which XLA may compare as
-      # zero, takes level 1). Each ratio takes the level at or below it, or the
-      # one above with probability log(ratio / below) / log(above / below): its
-      # logarithm's mean is kept, not its mean, whose noise between levels a
-      # quarter to a half apart made Adam's 1 / sqrt(nu) overshoot
-      # (docs/moment_codes.md, "4 bits"). Each log(r) as 2 (r - 1) / (r + 1),
-      # within 4% for r <= 2, compared without a division.
-      ratio = jax.lax.min(a, np.float32(1))
-      bits = jax.lax.bitcast_convert_type(ratio, jnp.int32)
-      level = _float_level(bits, body, NONNEGATIVE_CODE_4BIT, jnp.zeros_like(random))
-      above = jax.lax.min(jax.lax.add(level, np.int32(1)), np.int32(15))
-      low, high = (
-        jax.lax.bitcast_convert_type(_float_level_bits(k, NONNEGATIVE_CODE_4BIT), jnp.float32)
-        for k in (level, above)
-      )
-      # Below the lowest level (a negative right side) and at the top (both
-      # sides 0): never up.
-      up = jax.lax.lt(
-        jax.lax.mul(jax.lax.mul(u, jax.lax.add(ratio, low)), jax.lax.sub(high, low)),
-        jax.lax.mul(jax.lax.sub(ratio, low), jax.lax.add(high, low)),
-      )
-      level = jax.lax.add(level, up.astype(jnp.int32))
-      index = jax.lax.max(level, np.int32(1))
-      positive = jax.lax.gt(jax.lax.bitcast_convert_type(body, jnp.int32), np.int32(0))
-      codes = jax.lax.select(positive, index, jnp.zeros_like(index))
+      # Among the block's range levels, unbiased in the float32 bits: each
+      # value's logarithm nearly kept on average, not the value, whose noise
+      # between levels made Adam's 1 / sqrt(nu) overshoot (docs/moment_codes.md,
+      # "4 bits"). Given words (a first pass's, which XLA may compute an ulp
+      # apart) an element past either end takes that end's level.
+      codes = _range_code(body, words, layout.size, u)
     # On accelerators (the same bytes) by a bitcast of uint4 pairs, the view in
     # which the step reads and keeps the codes, so that XLA:GPU writes them in
     # place (docs/design.md, "Compressed moments at the byte floor").
@@ -826,10 +926,12 @@ class FourBitCompressed(BlockScaledKind):
 
   def decompress(self, stored: FourBitMoment, by_table: bool = False) -> jax.Array:
     """Returns the float32 leaf that ``stored`` codes, in the shape that was
-    coded: each level times its scale. ``by_table`` looks each code's level
-    up in a table of 16, but for an odd last axis."""
-    codes = jnp.asarray(stored.codes)
-    scales = jnp.asarray(stored.scales, jnp.float32)
+    coded: signed, each level times its scale; nonnegative, each level among
+    its block's range. ``by_table`` looks the signed levels up in a table of
+    16, but for an odd last axis; the range levels are a product and a sum
+    either way."""
+    codes, scales = (jnp.asarray(x) for x in stored)
+    scales = scales.astype(jnp.float32)
     # The layout whose codes and scales have these shapes: ``n`` is odd where
     # the scales hold one more entry a row than the blocks.
     *lead, pairs = codes.shape
@@ -853,39 +955,33 @@ class FourBitCompressed(BlockScaledKind):
       widen = [(0, 0, 0)] * (codes.ndim - 1) + [(0, padded - codes.shape[-1], 0)]
       codes = jax.lax.pad(codes, np.uint8(0), widen)
       k = jax.lax.slice_in_dim(_unpack(codes, layout.per), 0, layout.n, axis=codes.ndim - 1)
-      scale = _spread(scales, (*layout.lead, layout.n), layout.size)
+      words, shape = scales, (*layout.lead, layout.n)
     else:
       # On accelerators by a bitcast to uint4 pairs, the view in which
       # ``two_pass.kept`` selects the new codes: read and written alike, XLA writes
       # the new codes over the old ones in place (read as bytes, it copies).
       unpack = functools.partial(_unpack, per=layout.per)
       k = tree_lib.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
-      scale = _spread(scales[..., : layout.blocks], (*layout.lead, layout.body), layout.size)
-    if by_table and not layout.tail:
-      # Signed: index = the code, its low 3 bits the magnitude, the 4th the sign.
-      levels = SIGNED_LEVELS_4BIT
-      table = np.concatenate([levels, -levels]) if signed else NONNEGATIVE_LEVELS_4BIT
-      value = jax.lax.mul(lookup(table.astype(np.float32), k), scale)
-    elif signed:
+      words, shape = scales[..., : layout.blocks], (*layout.lead, layout.body)
+    if not signed:
+      # Each block's offset and step (``_range_affine``), spread: a product and
+      # a sum an element, and 0 where the code is 0.
+      offset, step = (_spread(x, shape, layout.size) for x in _range_affine(words))
+      bits = jax.lax.add(offset, jax.lax.mul(k, step))
+      value = jax.lax.bitcast_convert_type(bits, jnp.float32)
+      value = jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
+    elif by_table and not layout.tail:
+      # Index = the code, its low 3 bits the magnitude, the 4th the sign.
+      table = np.concatenate([SIGNED_LEVELS_4BIT, -SIGNED_LEVELS_4BIT]).astype(np.float32)
+      value = jax.lax.mul(lookup(table, k), _spread(words, shape, layout.size))
+    else:
       magnitude = _select_level(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), SIGNED_LEVELS_4BIT)
       # The code's sign bit moves to float32's: -level, exactly.
       sign = jax.lax.shift_left(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT)), np.int32(28))
       bits = jax.lax.bitwise_or(jax.lax.bitcast_convert_type(magnitude, jnp.int32), sign)
-      value = jax.lax.mul(jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
-    else:
-      # The float-like level from the code's bits (code 0 gives a tiny positive
-      # float, zeroed below).
-      bits = _float_level_bits(k, NONNEGATIVE_CODE_4BIT)
-      value = jax.lax.mul(jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
-    if self.sign == "nonnegative":
-      # At least float32's smallest normal (a product below it would flush to
-      # zero), and 0 where the code is 0. On the int32 bits (the product is not
-      # negative): one instruction, where float32's NaN-propagating maximum
-      # takes three.
-      bits = jax.lax.bitcast_convert_type(value, jnp.int32)
-      bits = jax.lax.max(bits, np.int32(_TINY.view(np.int32)))
-      value = jax.lax.bitcast_convert_type(bits, jnp.float32)
-      value = jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
+      value = jax.lax.mul(
+        jax.lax.bitcast_convert_type(bits, jnp.float32), _spread(words, shape, layout.size)
+      )
     if layout.tail:
       last = value.ndim - 1
       at_tail = jax.lax.eq(

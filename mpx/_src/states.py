@@ -179,15 +179,19 @@ class Nonnegative4bitMoment(NamedTuple):
 
   Attributes:
     codes: uint8, ``(*shape[:-1], shape[-1] // 2)``: two codes a byte, each
-      zero or one of 15 levels (``{1, 3/4} * 2**-e`` down to ``2**-5``, then
-      powers of two down to ``2**-9``) of the element's block maximum.
-    scales: float32, ``(*shape[:-1], n_blocks + shape[-1] % 2)``: the largest
-      value of each block of at most 128 elements along the last axis; for an
-      odd last axis, then the row's last element itself.
+      zero (a value that is not positive) or one of 15 levels of the
+      element's block, evenly spaced in the float32 bits between its ends.
+    ranges: float32, ``(*shape[:-1], n_blocks + shape[-1] % 2)``: each block
+      of at most 128 elements along the last axis as a word holding its top
+      level (its largest value, rounded up to 11 mantissa bits) and the step
+      between its levels (docs/moment_codes.md, "4 bits"); for an odd last
+      axis, then the row's last element itself. (States saved before held
+      each block's largest value here, as ``scales``: they no longer
+      restore into this type, rather than decode wrongly.)
   """
 
   codes: jax.Array
-  scales: jax.Array
+  ranges: jax.Array
 
 
 # Every stored form of a compressed moment: a node of the inner state that

@@ -156,7 +156,8 @@ def block_maxima(
     # One variadic reduction over the blocks of ``small`` (each operand's
     # largest element per block, at least 0), so that XLA emits one kernel
     # reading each operand's producers (a moment's old codes, its gradient) once.
-    operands = [kind.magnitude(values[i]) for i, kind, _ in joint]
+    reduced = [kind.reduced(values[i]) for i, kind, _ in joint]
+    operands = [x for parts in reduced for x in parts]
     if path in grads:
       grad = jnp.asarray(grads[path], jnp.float32)
       # 1 where the gradient is not finite: a max of these is 0 exactly when
@@ -166,17 +167,19 @@ def block_maxima(
     *lead, width = operands[0].shape
     blocked = tuple(x.reshape((*lead, width // small, small)) for x in operands)
     zeros = tuple(np.zeros((), x.dtype) for x in blocked)
-    maxima = jax.lax.reduce(blocked, zeros, tree_lib.elementwise_max, (len(lead) + 1,))
+    maxima = list(jax.lax.reduce(blocked, zeros, tree_lib.elementwise_max, (len(lead) + 1,)))
     if path in grads:
-      *maxima, flags = maxima
-      finite.append(jax.lax.eq(jnp.max(flags), np.uint8(0)))
-    for (i, _, size), block_max in zip(joint, maxima, strict=True):
+      finite.append(jax.lax.eq(jnp.max(maxima.pop()), np.uint8(0)))
+    for (i, kind, size), parts in zip(joint, reduced, strict=True):
+      own = [maxima.pop(0) for _ in parts]
       # A block ``size // small`` times as long: the largest of its small blocks' maxima.
       factor = size // small
       if factor > 1:
-        grouped = block_max.reshape((*lead, width // size, factor))
-        block_max = jax.lax.reduce(grouped, np.float32(0), jax.lax.max, (len(lead) + 1,))
-      scales[i] = block_max
+        grouped = [m.reshape((*lead, width // size, factor)) for m in own]
+        own = [
+          jax.lax.reduce(g, np.zeros((), g.dtype), jax.lax.max, (len(lead) + 1,)) for g in grouped
+        ]
+      scales[i] = kind.scales_of(tuple(own))
   all_finite = jnp.asarray(True)
   if finite:
     # Behind a barrier, as verdict._all stacks per-leaf flags: one kernel tests them.
@@ -206,15 +209,17 @@ def kept(applied: jax.Array, new: Any, old: Any) -> Any:
     if not isinstance(n, BLOCK_SCALED_TYPES):  # an array, or a bfloat16 moment's
       selected.append(jax.tree.map(functools.partial(jnp.where, applied), n, o))
       continue
+    # (codes, scales): the 4-bit nonnegative code's scales are its ranges.
+    (new_codes, new_scales), (old_codes, old_scales) = n, o
     if isinstance(n, Signed4bitMoment | Nonnegative4bitMoment):
-      pairs = [jax.lax.bitcast_convert_type(c, jnp.uint4) for c in (n.codes, o.codes)]
+      pairs = [jax.lax.bitcast_convert_type(c, jnp.uint4) for c in (new_codes, old_codes)]
       codes = jax.lax.bitcast_convert_type(jnp.where(applied, pairs[0], pairs[1]), jnp.uint8)
     else:
-      codes = jnp.where(applied, n.codes, o.codes)
+      codes = jnp.where(applied, new_codes, old_codes)
     # Behind a barrier, so that XLA cannot compute the codes again for the
     # zero (fused into the scales' select) instead of reading the coder's.
     codes = jax.lax.optimization_barrier(codes)
-    scales = jnp.where(applied, n.scales, o.scales)
+    scales = jnp.where(applied, new_scales, old_scales)
     # Zeros shaped like the scales, each read from its block's first code
     # byte: elementwise, so that it stays on the device that holds the block
     # wherever a mesh splits the moment (a scalar read from one element would
