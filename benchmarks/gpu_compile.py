@@ -230,8 +230,13 @@ maxima and the codes); the one-GPU table's floors count so.
 *conditionals*: the most in any size's step. The goal
 (`tests/test_gpu_compile.py`, expected to fail where it does not hold):
 at most the two-pass floor + 1 B/param moved, at most 0.1 B/param of
-scratch, at every size. docs/design.md, "Compressed moments at the byte
-floor", explains the 8- and 4-bit rows.
+scratch, at every size. A 4-bit `nu`'s range keeps more per-block arrays
+(its smallest positive value and its word between the passes, 4 bytes a
+block of 128 each, and from 4M on its step and levels per bit between
+kernels): its goal is 0.1625 B/param at 64K and 512K, and from 4M on it
+keeps up to 0.25; 24-bit masters with a 4-bit `nu` miss both goals at 64K,
+where the new `nu` is written out of the first pass. docs/design.md,
+"Compressed moments at the byte floor", explains the 8- and 4-bit rows.
 
 {sweep}
 """

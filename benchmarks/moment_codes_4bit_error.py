@@ -73,6 +73,9 @@ from benchmarks.moment_codes_error import coder as table_coder  # noqa: E402
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 Array = jax.Array
+# The fixed nonnegative levels 4-bit states stored before the range levels:
+# {1, 3/4} * 2**-e down to 2**-5, then the powers of two down to 2**-9, and 0.
+FIXED_NU_LEVELS = mc.level_table("nonnegative", mc._float_code(False, ((5, 1), (0, 0)), 15))[:16]
 
 
 def write_stream(path: str, shape: tuple[int, int], steps: int, df: float, seed: int = 0) -> None:
@@ -113,7 +116,7 @@ def code(name: str, sign: mc.Sign, stochastic: bool) -> tuple[Encode, Decode]:
   elif name == "4bit linear" and sign == "nonnegative":
     encode, decode = table_coder(np.arange(16) / np.float32(15), sign, stochastic, True)
   elif name == "4bit fixed" and sign == "nonnegative":
-    encode, decode = table_coder(mc.NONNEGATIVE_LEVELS_4BIT, sign, stochastic, True)
+    encode, decode = table_coder(FIXED_NU_LEVELS, sign, stochastic, True)
   else:
     raise ValueError(name)
   return (lambda x, key, step, previous: encode(x, key, step)), decode

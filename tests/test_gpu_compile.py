@@ -95,7 +95,9 @@ def test_bytes_moved_within_2_per_param_of_the_floor(one_gpu):
 # the passes, its largest value and its smallest positive one, and its word
 # computed from them: 8 bytes a block more than a scale's 4 (0.0625 B/param),
 # which XLA:GPU writes out as the other codes' maxima (docs/design.md,
-# "Compressed moments at the byte floor").
+# "Compressed moments at the byte floor"). Pinned at the sizes tested here;
+# from 4M on XLA keeps the step and levels per bit a block too (up to 0.25
+# in all: docs/benchmarks_gpu.md).
 FOUR_BIT_NU_SCRATCH = 8 / 128
 
 

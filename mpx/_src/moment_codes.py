@@ -1,8 +1,9 @@
 """The moment codes (docs/moment_codes.md) and the kinds that store one leaf of
 the inner state in them: as it is, in bfloat16, or in a signed or nonnegative
-code of 8 or 4 bits against a float32 scale per block along the last axis.
-One block core (the layout, the block maxima, the scales spread to their
-elements) serves both block-scaled codes; each keeps its own levels."""
+code of 8 or 4 bits against a float32 word per block along the last axis (a
+scale, or the 4-bit nonnegative code's range). One block core (the layout,
+the block maxima, the words spread to their elements) serves both
+block-scaled codes; each keeps its own levels."""
 
 from __future__ import annotations
 
@@ -417,17 +418,6 @@ def _range_code(body: jax.Array, words: jax.Array, size: int, u: jax.Array) -> j
   position = jax.lax.clamp(np.float32(0), jax.lax.floor(position), np.float32(LEVELS_4BIT - 1))
   code = jax.lax.add(position.astype(jnp.int32), np.int32(1))
   return jax.lax.select(jax.lax.gt(bits, np.int32(0)), code, jnp.zeros_like(code))
-
-
-def _range_affine(words: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(offset, step)`` (int32) of float32 ``words``, one a block: code
-  ``k``'s level has the float32 bits ``offset + k * step``, the top level's
-  less ``15 - k`` steps (exact: at most 9 octaves, 9 * 2**23). A block's
-  pair, spread to its elements, leaves each a product and a sum, where the
-  word unpacked per element (masks and shifts) tipped XLA:GPU into writing
-  a moment computed from it out in float32."""
-  top, step = _range_fields(words)
-  return jax.lax.sub(top, jax.lax.mul(step, np.int32(LEVELS_4BIT))), step
 
 
 class _Layout(NamedTuple):
@@ -964,10 +954,10 @@ class FourBitCompressed(BlockScaledKind):
       k = tree_lib.by_platform(codes, cpu=unpack, accelerator=_unpack_by_bitcast)
       words, shape = scales[..., : layout.blocks], (*layout.lead, layout.body)
     if not signed:
-      # Each block's offset and step (``_range_affine``), spread: a product and
-      # a sum an element, and 0 where the code is 0.
-      offset, step = (_spread(x, shape, layout.size) for x in _range_affine(words))
-      bits = jax.lax.add(offset, jax.lax.mul(k, step))
+      # The top level less 15 - k steps, from each element's word (XLA computes
+      # the step once a block); 0 where the code is 0.
+      top, step = _range_fields(_spread(words, shape, layout.size))
+      bits = jax.lax.sub(top, jax.lax.mul(jax.lax.sub(np.int32(LEVELS_4BIT), k), step))
       value = jax.lax.bitcast_convert_type(bits, jnp.float32)
       value = jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
     elif by_table and not layout.tail:
