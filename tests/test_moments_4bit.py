@@ -160,7 +160,7 @@ def test_zero1_splits_4bit_codes_on_block_boundaries_and_trains_as_unsharded():
   state = jax.jit(tx.init, out_shardings=shardings)(params)
   nu = state.inner_state[0].nu
   if n > 1:
-    specs = {k: (nu[k].codes.sharding.spec, nu[k].scales.sharding.spec) for k in nu}
+    specs = {k: (nu[k].codes.sharding.spec, nu[k].ranges.sharding.spec) for k in nu}
     assert specs == {
       "rows": (P("data"), P("data")),
       "cols": (P(None, "data"), P(None, "data")),

@@ -528,7 +528,7 @@ def test_linen_partitioned_state_shards_and_trains(masters, moments):
     assert not isinstance(key, nn.Partitioned) and key.sharding.is_fully_replicated
   if moments != "full":  # codes split like the param; scales keep the axes they share
     for nu in (inner.nu["DenseGeneral_0"]["kernel"], inner.mu["DenseGeneral_0"]["kernel"]):
-      assert nu.codes.names == (None, None, "data") and nu.scales.names == (None, None, None)
+      assert nu.codes.names == (None, None, "data") and nu[1].names == (None, None, None)
       assert nu.codes.value.sharding.spec == P(None, None, "data")
       assert nu.codes.value.addressable_shards[0].data.shape[-1] == nu.codes.value.shape[-1] // 8
   batch = NamedSharding(mesh, P("data"))
