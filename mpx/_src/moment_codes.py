@@ -789,13 +789,12 @@ class FourBitCompressed(BlockScaledKind):
   def reduced(self, value: jax.Array) -> tuple[jax.Array, ...]:
     """As :meth:`BlockScaledKind.reduced`; nonnegative, with
     :func:`_complement`, whose largest is the smallest positive value."""
-    if self.sign == "signed":
-      return (jax.lax.abs(value),)
-    return (jax.lax.max(value, jnp.zeros_like(value)), _complement(value))
+    parts = super().reduced(value)
+    return parts if self.sign == "signed" else (*parts, _complement(value))
 
   def scales_of(self, maxima: tuple[jax.Array, ...]) -> jax.Array:
     """As :meth:`BlockScaledKind.scales_of`; nonnegative, the words."""
-    return maxima[0] if self.sign == "signed" else range_words(*maxima)
+    return super().scales_of(maxima) if self.sign == "signed" else range_words(*maxima)
 
   def maxima(self, value: jax.Array, block_maxima: jax.Array | None = None) -> jax.Array:
     """Returns float32 ``(*lead, n_blocks + n % 2)``: each row's block words (the
@@ -960,18 +959,20 @@ class FourBitCompressed(BlockScaledKind):
       bits = jax.lax.sub(top, jax.lax.mul(jax.lax.sub(np.int32(LEVELS_4BIT), k), step))
       value = jax.lax.bitcast_convert_type(bits, jnp.float32)
       value = jax.lax.select(jax.lax.gt(k, np.int32(0)), value, jnp.zeros_like(value))
-    elif by_table and not layout.tail:
-      # Index = the code, its low 3 bits the magnitude, the 4th the sign.
-      table = np.concatenate([SIGNED_LEVELS_4BIT, -SIGNED_LEVELS_4BIT]).astype(np.float32)
-      value = jax.lax.mul(lookup(table, k), _spread(words, shape, layout.size))
     else:
-      magnitude = _select_level(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), SIGNED_LEVELS_4BIT)
-      # The code's sign bit moves to float32's: -level, exactly.
-      sign = jax.lax.shift_left(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT)), np.int32(28))
-      bits = jax.lax.bitwise_or(jax.lax.bitcast_convert_type(magnitude, jnp.int32), sign)
-      value = jax.lax.mul(
-        jax.lax.bitcast_convert_type(bits, jnp.float32), _spread(words, shape, layout.size)
-      )
+      if by_table and not layout.tail:
+        # Index = the code, its low 3 bits the magnitude, the 4th the sign.
+        table = np.concatenate([SIGNED_LEVELS_4BIT, -SIGNED_LEVELS_4BIT]).astype(np.float32)
+        level = lookup(table, k)
+      else:
+        magnitude = _select_level(
+          jax.lax.bitwise_and(k, np.int32(_SIGN_BIT - 1)), SIGNED_LEVELS_4BIT
+        )
+        # The code's sign bit moves to float32's: -level, exactly.
+        sign = jax.lax.shift_left(jax.lax.bitwise_and(k, np.int32(_SIGN_BIT)), np.int32(28))
+        bits = jax.lax.bitwise_or(jax.lax.bitcast_convert_type(magnitude, jnp.int32), sign)
+        level = jax.lax.bitcast_convert_type(bits, jnp.float32)
+      value = jax.lax.mul(level, _spread(words, shape, layout.size))
     if layout.tail:
       last = value.ndim - 1
       at_tail = jax.lax.eq(
