@@ -202,11 +202,11 @@ class _Code(NamedTuple):
   layout: tuple[tuple[int, int, int], ...]
 
 
-def _float_code(signed: bool, regions: tuple[tuple[int, int], ...], top: int = 0) -> _Code:
-  """Lays out ``top`` nonzero levels (by default 127 signed, 255 nonnegative:
-  8 bits) counted down from 1.0 over ``regions`` of ``(octaves, mantissa
-  bits)``, the last taking the levels left."""
-  top = top or (127 if signed else 255)
+def _float_code(signed: bool, regions: tuple[tuple[int, int], ...]) -> _Code:
+  """Lays out the 8-bit code's nonzero levels (127 signed, 255 nonnegative)
+  counted down from 1.0 over ``regions`` of ``(octaves, mantissa bits)``, the
+  last taking the levels left."""
+  top = 127 if signed else 255
   upper_bits, upper_code = _ONE_BITS, top
   layout = []
   for i, (octaves, mantissa) in enumerate(regions):
