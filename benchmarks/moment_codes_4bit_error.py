@@ -75,12 +75,8 @@ B1, B2, EPS = 0.9, 0.999, 1e-8
 Array = jax.Array
 # The fixed nonnegative levels 4-bit states stored before the range levels:
 # {1, 3/4} * 2**-e down to 2**-5, then the powers of two down to 2**-9, and 0.
-FIXED_NU_LEVELS = np.array(
-  [0.0, *(2.0**-e for e in range(9, 5, -1))]
-  + [m * 2.0**-e for e in range(5, 0, -1) for m in (1, 1.5)]
-  + [1.0],
-  np.float32,
-)
+_FIXED_TOPS = [m / 2**e for e in range(5, 0, -1) for m in (1, 1.5)]  # 1/32 to 3/4
+FIXED_NU_LEVELS = np.float32([0] + [2.0**-e for e in range(9, 5, -1)] + _FIXED_TOPS + [1])
 
 
 def write_stream(path: str, shape: tuple[int, int], steps: int, df: float, seed: int = 0) -> None:
