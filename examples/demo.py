@@ -100,14 +100,13 @@ in expectation, and for the 4-bit moments, whose rounding noise spreads the
 runs about FP32's loss two to three times as far (below;
 docs/concepts_masters.md, "Which moments to pick", measures each format's
 spread); more than 2% for bf16 without masters, which must visibly fall
-off FP32's curve. The
-settings were then chosen so that each effect is many times the spread
-between runs, and ``benchmarks/demo_matrix.py`` measures that spread over
-seeds and instruction sets (``XLA_FLAGS=--xla_cpu_max_isa=...``): its
-table, ``docs/demo_matrix.md``, gives each row's range, and the README says
-what they show. The bounds are two-sided: a row that trains faster than
-FP32 fails as one that trains slower does, since it is another optimizer
-all the same.
+off FP32's curve. The settings were then chosen so that each effect is
+many times the spread between runs, and ``benchmarks/demo_matrix.py``
+measures that spread over seeds and instruction sets
+(``XLA_FLAGS=--xla_cpu_max_isa=...``): its table, ``docs/demo_matrix.md``,
+gives each row's range, and the README says what they show. The bounds are
+two-sided: a row that trains faster than FP32 fails as one that trains
+slower does, since it is another optimizer all the same.
 
 * Peak learning rate 1e-3 (it was 3e-3). An update below half a bf16 ulp of
   its weight is rounded away without masters, and the fraction of such updates
